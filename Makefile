@@ -1,0 +1,33 @@
+# Every target that runs code first makes sure .venv exists and matches setup.cfg.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+RECIPE ?= cifar
+ARGS ?=
+
+.PHONY: train test test-slow test-reliability bench lint lr-plot tensorboard clean
+
+$(STAMP): setup.cfg pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m recipes $(RECIPE) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+test-reliability: $(STAMP)
+	$(PY) -m pytest -q -m "reliability or not reliability" tests/reliability
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) *.egg-info

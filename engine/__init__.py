@@ -1,0 +1,17 @@
+"""The training engine: one process function, on an Ignite ``Engine``."""
+
+from engine.events import TrainEvents
+from engine.nonfinite import NonFiniteGradientError
+from engine.precision import Precision, resolve_device, resolve_precision
+from engine.trainer import Trainer, create_evaluator, create_trainer
+
+__all__ = [
+    "NonFiniteGradientError",
+    "Precision",
+    "TrainEvents",
+    "Trainer",
+    "create_evaluator",
+    "create_trainer",
+    "resolve_device",
+    "resolve_precision",
+]
