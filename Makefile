@@ -26,6 +26,14 @@ test-slow: $(STAMP)
 test-reliability: $(STAMP)
 	$(PY) -m pytest -q -m "reliability or not reliability" tests/reliability
 
+lr-plot: $(STAMP)
+	$(PY) -m recipes.lr_plot --out runs/lr_schedules.png
+
+# Serves runs/ on the loopback interface only; open http://127.0.0.1:$(TB_PORT)
+TB_PORT ?= 6006
+tensorboard: $(STAMP)
+	$(VENV)/bin/tensorboard --logdir runs --host 127.0.0.1 --port $(TB_PORT)
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 

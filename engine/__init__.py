@@ -3,15 +3,18 @@
 from engine.events import TrainEvents
 from engine.nonfinite import NonFiniteGradientError
 from engine.precision import Precision, resolve_device, resolve_precision
+from engine.run_state import RngState, new_run_id
 from engine.trainer import Trainer, create_evaluator, create_trainer
 
 __all__ = [
     "NonFiniteGradientError",
     "Precision",
+    "RngState",
     "TrainEvents",
     "Trainer",
     "create_evaluator",
     "create_trainer",
+    "new_run_id",
     "resolve_device",
     "resolve_precision",
 ]

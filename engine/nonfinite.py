@@ -28,7 +28,9 @@ class NonFiniteGuard:
         if mode not in NON_FINITE_MODES:
             raise ValueError(f"non_finite={mode!r} is not known; allowed: 'skip', 'raise'")
         if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int):
-            raise ValueError(f"max_consecutive_skips must be an int >= 1, got {max_consecutive_skips!r}")
+            raise ValueError(
+                f"max_consecutive_skips must be an int >= 1, got {max_consecutive_skips!r}"
+            )
         if max_consecutive_skips < 1:
             raise ValueError(f"max_consecutive_skips must be >= 1, got {max_consecutive_skips}")
         self.model = model

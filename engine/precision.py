@@ -74,12 +74,12 @@ def resolve_precision(precision: str, device: str | torch.device = "cpu") -> Pre
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not known; allowed: {', '.join(PRECISIONS)}")
     on_cuda = resolved_device.type == "cuda"
+    bf16_ok = not on_cuda or torch.cuda.is_bf16_supported(including_emulation=False)
     if precision == "auto":
         if not on_cuda:
             return Precision(resolved_device, "fp32")
-        bf16_ok = torch.cuda.is_bf16_supported(including_emulation=False)
         return Precision(resolved_device, "bf16" if bf16_ok else "fp16")
-    if precision == "bf16" and on_cuda and not torch.cuda.is_bf16_supported(including_emulation=False):
+    if precision == "bf16" and not bf16_ok:
         raise ValueError(
             f"precision='bf16' but {torch.cuda.get_device_name(resolved_device)} has no bf16 "
             "support; allowed here: 'fp32', 'fp16', 'auto'"

@@ -52,7 +52,8 @@ def make_train_step(
             loss = forward(model, batch)
         scaler.scale(loss / window_len).backward()
         output = {"loss": loss.detach()}
-        window["loss"] = output["loss"] if window["loss"] is None else window["loss"] + output["loss"]
+        previous = window["loss"]
+        window["loss"] = output["loss"] if previous is None else previous + output["loss"]
         if not closes_window:
             return output
 
@@ -67,7 +68,8 @@ def make_train_step(
             clip_grads_with_norm_(params, max_grad_norm, grad_norm)
             output["grad_norm_clipped"], output["clipped"] = grad_norm * clip_coef, clip_coef < 1.0
         if precision.uses_scaler:
-            output["scale"] = scaler._get_scale_async().detach().clone()  # update() changes it in place
+            # The scale this window was scaled with; cloned because update() changes it in place.
+            output["scale"] = scaler._get_scale_async().detach().clone()
 
         # 6-7: the skip decision (the step's one device wait), then step and scale update.
         applied = guard.allows_step(engine, grad_norm, window["loss"], output.get("scale"))

@@ -7,8 +7,14 @@ from ignite.engine import Engine, Events
 from ignite.metrics import Metric
 from torch import nn
 
-from engine.batch import Forward, Predict, PrepareBatch, move_to_device, supervised_forward
-from engine.batch import supervised_predict
+from engine.batch import (
+    Forward,
+    Predict,
+    PrepareBatch,
+    move_to_device,
+    supervised_forward,
+    supervised_predict,
+)
 from engine.events import EVENT_TO_ATTR, TrainEvents
 from engine.nonfinite import NonFiniteGuard
 from engine.precision import Precision, resolve_precision
@@ -36,7 +42,8 @@ class Trainer(Engine):
         max_grad_norm: float | None,
     ) -> None:
         super().__init__(process_function)
-        self.model, self.optimizer, self.scaler, self.precision = model, optimizer, scaler, precision
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.precision = precision
         self.accum_steps, self.max_grad_norm = accum_steps, max_grad_norm
         self.register_events(*TrainEvents, event_to_attr=EVENT_TO_ATTR)
         for key in TRAINER_STATE_KEYS:
@@ -85,7 +92,9 @@ def create_trainer(
         or not max_grad_norm > 0
         or max_grad_norm == float("inf")
     ):
-        raise ValueError(f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}")
+        raise ValueError(
+            f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}"
+        )
     if forward is None:
         if loss_fn is None:
             raise ValueError("loss_fn is required unless forward(model, batch) -> loss is given")
@@ -94,7 +103,8 @@ def create_trainer(
     model.to(resolved.device)
     scaler = resolved.make_scaler()
     step = make_train_step(
-        model, optimizer, scaler, resolved, forward, prepare_batch, accum_steps, max_grad_norm, guard
+        model, optimizer, scaler, resolved, forward, prepare_batch,
+        accum_steps, max_grad_norm, guard,
     )
     return Trainer(step, model, optimizer, scaler, resolved, accum_steps, max_grad_norm)
 

@@ -1,0 +1,533 @@
+"""Crash-safe checkpoints: the newest, the best by a metric, and a short history.
+
+Layout of the checkpoint folder::
+
+    step-00001200.pt        one per save_last, named by optimizer step; newest ``keep_last`` kept
+    step-00001200.pt.json   its sidecar: sha256 and size of the .pt, run id, position, kind
+    best-step-00000900.pt   (+ .json) one per new top-``keep_best`` score
+    last.pt, last.pt.json   hard links to the newest committed checkpoint of either kind
+    best.pt, best.pt.json   hard links to the best one
+
+Every file is written temp file → ``torch.save`` → flush + fsync → ``os.replace`` →
+fsync of the folder; its sidecar is written the same way *after* the .pt is in place,
+then ``last.pt``/``best.pt`` are switched (``os.link`` to a temp name, ``os.replace``),
+and only then is anything that retention evicts deleted. A crash at any instant leaves
+the previous checkpoint and its sidecar untouched. A .pt is trusted only when its
+sidecar exists and the sha256 and size match, so a half-written or half-switched pair
+is detected and the previous checkpoint is used. Hard links keep the data of ``last.pt``
+and ``best.pt`` alive whatever retention deletes (the folder must support hard links).
+
+Test-only fault injection, off unless set: with ``CKPT_TEST_CRASH_PHASE=PHASE`` or
+``PHASE:N`` in the environment when the Checkpointer is built, the process calls
+``os._exit(137)`` the first time it reaches PHASE in or after its N-th save (default 1).
+PHASE is one of ``before_temp``, ``mid_write``
+(a partly written temp file), ``before_rename``, ``before_dir_fsync`` (each in the .pt
+write), ``before_sidecar``, ``before_link`` (before the last/best switch) and
+``during_eviction`` (after the first evicted .pt is deleted, before its sidecar).
+"""
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from ignite.engine import Engine
+from torch import nn
+
+from engine import Trainer
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MODES = ("max", "min")
+CRASH_ENV = "CKPT_TEST_CRASH_PHASE"
+CRASH_PHASES = (
+    "before_temp", "mid_write", "before_rename", "before_dir_fsync",
+    "before_sidecar", "before_link", "during_eviction",
+)
+RESERVED_KEYS = ("meta", "checkpointer")
+SIDECAR_KEYS = {"format_version", "sha256", "size_bytes", "run_id", "iteration", "optimizer_step"}
+_CHECKPOINT_NAME = re.compile(r"^(best-)?step-(\d+)\.pt$")
+_TEMP_NAME = re.compile(r"^\.((best-)?step-\d+|last|best)\.pt(\.json)?\..+\.tmp$")
+_PLAIN_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.Size, torch.dtype,
+                torch.device)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, verified or loaded; ``path`` and ``reason`` say which
+    and why. The command line turns it into exit status 2."""
+
+    def __init__(self, path: str | os.PathLike, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = Path(path), reason
+
+
+@dataclass(frozen=True)
+class ResumeInfo:
+    """What ``Checkpointer.resume`` loaded: the file, its ``meta``, and every newer
+    candidate it passed over as ``(file, reason)``."""
+
+    path: Path
+    meta: dict[str, Any]
+    rejected: list[tuple[str, str]]
+
+
+class Checkpointer:
+    """Writes ``last``, ``best`` and history checkpoints of everything in ``to_save``.
+
+    ``to_save`` maps names to objects with ``state_dict``/``load_state_dict``; it must
+    hold the ``"model"`` (whose weights are checked for NaN/inf before every save) and
+    the ``"trainer"`` (its epoch, iteration and optimizer step name the files). Each
+    checkpoint is ``{name: state_dict, ..., "checkpointer": retention state, "meta":
+    {run_id, config, kind, epoch, iteration, optimizer_step, metric, saved_at_unix,
+    format_version}}`` and loads with ``torch.load(path, weights_only=True)``.
+
+    ``save_last`` expects the trainer's ``TrainEvents.OPTIMIZER_STEP(every=N)`` and
+    ``Events.EPOCH_COMPLETED``; ``save_best`` the evaluator's ``Events.COMPLETED``.
+    A save of the iteration just saved is skipped; so is one whose weights are not
+    finite (with a warning). A disk error (ENOSPC, EACCES, read-only folder) raises
+    ``CheckpointError`` with the path and the OS reason, leaving the previous checkpoint
+    intact and no temp file: training stops rather than run on without checkpoints.
+
+    Example::
+
+        ckpt = Checkpointer("runs/cifar/r1/checkpoints", {"model": model, "optimizer": opt,
+                            "trainer": trainer, "rng": RngState()}, run_id=run_id,
+                            metric="accuracy", mode="max")
+        ckpt.resume("auto")  # None on a fresh folder
+        trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP(every=500), ckpt.save_last)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, ckpt.save_last)
+        evaluator.add_event_handler(Events.COMPLETED, ckpt.save_best)
+    """
+
+    def __init__(
+        self,
+        dirname: str | os.PathLike,
+        to_save: Mapping[str, Any],
+        *,
+        run_id: str,
+        config: dict[str, Any] | None = None,
+        keep_last: int = 3,
+        keep_best: int = 1,
+        metric: str | None = None,
+        mode: str = "max",
+        file_mode: int = 0o640,
+    ) -> None:
+        _check_to_save(to_save)
+        if not isinstance(run_id, str) or not run_id:
+            raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
+        if config is not None and not isinstance(config, dict):
+            raise ValueError(f"config must be a dict or None, got {type(config).__name__}")
+        unloadable_config = None if config is None else _unloadable_entry(config, "config")
+        if unloadable_config:
+            raise ValueError(f"config must hold plain values: {unloadable_config}")
+        for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (checkpoints), got {value!r}")
+        if metric is not None and (not isinstance(metric, str) or not metric):
+            raise ValueError(f"metric must be an evaluator metric name or None, got {metric!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not known; allowed: 'max', 'min'")
+        if isinstance(file_mode, bool) or not isinstance(file_mode, int) or (
+            file_mode & ~0o777 or file_mode & 0o600 != 0o600
+        ):
+            raise ValueError(f"file_mode must be a permission such as 0o640 or 0o600 that lets "
+                             f"the owner read and write, got {file_mode!r}")
+        self.dirname = Path(dirname)
+        self.dirname.mkdir(parents=True, exist_ok=True)
+        self.to_save, self.trainer = dict(to_save), to_save["trainer"]
+        self.run_id, self.config = run_id, config
+        self.keep_last, self.keep_best, self.metric, self.mode = keep_last, keep_best, metric, mode
+        self.file_mode = file_mode
+        self._crash_at = _parse_crash_env()
+        self._saves_started = 0  # this process's saves, for the crash hook only
+        self._history: list[str] = []  # oldest first
+        self._best: list[dict[str, Any]] = []  # {"file", "score"}, best first
+        self._evict: list[str] = []  # committed as evicted, deletion not yet confirmed
+        self._last_iteration = self._best_iteration = -1
+
+    def save_last(self, engine: Engine) -> None:
+        """Save the trainer's current state as ``step-<optimizer_step>.pt`` and ``last.pt``."""
+        if engine is not self.trainer:
+            raise ValueError("save_last is a trainer handler; attach it to the trainer in to_save")
+        if self.trainer.state.iteration == self._last_iteration:
+            return  # e.g. OPTIMIZER_STEP(every=N) and EPOCH_COMPLETED at the same iteration
+        name = f"step-{self.trainer.state.optimizer_step:08d}.pt"
+        history = [kept for kept in self._history if kept != name] + [name]
+        self._commit(name, "last", history[-self.keep_last:], self._best,
+                     evicted=history[:-self.keep_last], score=None)
+
+    def save_best(self, evaluator: Engine) -> None:
+        """Save the trainer's state as ``best-step-<optimizer_step>.pt`` when
+        ``evaluator.state.metrics[metric]`` is among the ``keep_best`` best; a
+        non-finite score never is."""
+        if self.metric is None:
+            raise ValueError("save_best needs Checkpointer(metric=...) to rank checkpoints")
+        if self.metric not in evaluator.state.metrics:
+            raise KeyError(f"metric {self.metric!r} is not among the evaluator's metrics "
+                           f"{sorted(evaluator.state.metrics)}")
+        score = float(evaluator.state.metrics[self.metric])  # once per evaluation
+        if self.trainer.state.iteration == self._best_iteration:
+            return
+        if not math.isfinite(score):
+            logger.warning("%s=%s is not finite: not a best checkpoint", self.metric, score)
+            return
+        name = f"best-step-{self.trainer.state.optimizer_step:08d}.pt"
+        ranked = [entry for entry in self._best if entry["file"] != name]
+        ranked.append({"file": name, "score": score})
+        # A stable sort: a score equal to an earlier one ranks below it.
+        ranked.sort(key=lambda entry: entry["score"], reverse=self.mode == "max")
+        kept = ranked[:self.keep_best]
+        if all(entry["file"] != name for entry in kept):
+            return
+        self._commit(name, "best", self._history, kept,
+                     evicted=[entry["file"] for entry in ranked[self.keep_best:]], score=score)
+
+    def resume(
+        self, source: str | os.PathLike = "auto", *, require_same_run: bool = True
+    ) -> ResumeInfo | None:
+        """Load a verified checkpoint into every ``to_save`` object (and this checkpointer).
+
+        ``"never"``: load nothing, return None. A path: exactly that file, or
+        ``CheckpointError``. ``"auto"``: the newest good one in the folder, trying
+        ``last.pt``, then history and best files newest first, then ``best.pt``;
+        each rejected one is logged with its reason; None when the folder holds no
+        checkpoint, ``CheckpointError`` when it holds only bad ones. With
+        ``require_same_run`` a checkpoint whose run id is not ``run_id`` is refused.
+        """
+        if source == "never":
+            return None
+        expected = {"expected_run_id": self.run_id if require_same_run else None,
+                    "required_keys": tuple(self.to_save)}
+        if source != "auto":
+            path = Path(source)
+            return self._restore(path, read_checkpoint(path, **expected), rejected=[])
+        self._remove_stale_temp_files()  # left by a save that was killed
+        candidates = self._candidates_newest_first()
+        if not candidates:
+            logger.info("no checkpoint in %s: starting fresh", self.dirname)
+            return None
+        rejected: list[tuple[str, str]] = []
+        for path in candidates:
+            try:
+                payload = read_checkpoint(path, **expected)
+            except CheckpointError as err:
+                logger.warning("checkpoint %s rejected: %s; trying an older one", path, err.reason)
+                rejected.append((str(path), err.reason))
+                continue
+            return self._restore(path, payload, rejected)
+        reasons = "; ".join(f"{Path(name).name}: {reason}" for name, reason in rejected)
+        raise CheckpointError(self.dirname, f"no usable checkpoint ({reasons})")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state(self._history, self._best, self._evict, self._last_iteration,
+                           self._best_iteration)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        missing = {"history", "best", "evict", "last_iteration", "best_iteration", "metric",
+                   "mode"} - state.keys()
+        if missing:
+            raise ValueError(f"checkpointer state is missing {sorted(missing)}")
+        if state["best"] and (state["metric"], state["mode"]) != (self.metric, self.mode):
+            raise ValueError(f"the checkpoint ranked best by metric={state['metric']!r} "
+                             f"mode={state['mode']!r}, this run by metric={self.metric!r} "
+                             f"mode={self.mode!r}; keep them or start a new run")
+        self._history, self._evict = list(state["history"]), list(state["evict"])
+        self._best = [dict(entry) for entry in state["best"]]
+        self._last_iteration = state["last_iteration"]
+        self._best_iteration = state["best_iteration"]
+
+    def _state(self, history, best, evict, last_iteration, best_iteration) -> dict[str, Any]:
+        return {"history": list(history), "best": [dict(entry) for entry in best],
+                "evict": list(evict), "last_iteration": last_iteration,
+                "best_iteration": best_iteration, "metric": self.metric, "mode": self.mode}
+
+    def _commit(self, name: str, kind: str, history: list[str], best: list[dict[str, Any]],
+                evicted: list[str], score: float | None) -> None:
+        state, path = self.trainer.state, self.dirname / name
+        payload = {key: obj.state_dict() for key, obj in self.to_save.items()}
+        bad_tensor = _first_non_finite(payload["model"])
+        if bad_tensor is not None:
+            logger.warning("not saving %s: model tensor %r is not finite (NaN/inf) at iteration %d",
+                           path, bad_tensor, state.iteration)
+            return
+        best_iteration = state.iteration if kind == "best" else self._best_iteration
+        # Deletion happens after the commit: the pending list goes into the checkpoint, so
+        # a crash mid-eviction is finished by the next save after resuming from it.
+        evict = [old for old in dict.fromkeys(self._evict + evicted) if old != name]
+        payload["checkpointer"] = self._state(history, best, evict, state.iteration, best_iteration)
+        meta = {"format_version": FORMAT_VERSION, "run_id": self.run_id, "kind": kind,
+                "epoch": state.epoch, "iteration": state.iteration,
+                "optimizer_step": state.optimizer_step,
+                "metric": None if score is None else {"name": self.metric, "value": score},
+                "saved_at_unix": time.time()}
+        payload["meta"] = {**meta, "config": self.config}
+        unloadable = _unloadable_entry(payload)
+        if unloadable:
+            raise CheckpointError(path, unloadable)
+        self._saves_started += 1
+        try:
+            self._write_atomically(path, lambda file: torch.save(payload, file))
+            self._crash_point("before_sidecar")
+            sidecar = {**meta, "file": name, "size_bytes": path.stat().st_size,
+                       "sha256": _sha256(path)}
+            self._write_atomically(_sidecar_of(path),
+                                   lambda file: file.write(json.dumps(sidecar, indent=1).encode()))
+            self._crash_point("before_link")
+            self._link(path, "last.pt")
+            if best and best[0]["file"] == name:
+                self._link(path, "best.pt")
+            _fsync_dir(self.dirname)
+        except OSError as err:
+            raise CheckpointError(path, f"could not save: {err}") from err
+        self._history, self._best, self._evict = history, best, evict
+        self._last_iteration, self._best_iteration = state.iteration, best_iteration
+        self._delete_evicted()
+
+    def _write_atomically(self, path: Path, write: Callable[[BinaryIO], Any]) -> None:
+        self._crash_point("before_temp")
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as file:
+                os.fchmod(file.fileno(), self.file_mode)
+                write(file)
+                self._crash_point("mid_write")
+                file.flush()
+                os.fsync(file.fileno())
+            self._crash_point("before_rename")
+            os.replace(temp, path)
+            self._crash_point("before_dir_fsync")
+            _fsync_dir(path.parent)
+        finally:
+            Path(temp).unlink(missing_ok=True)  # already gone after a successful replace
+
+    def _link(self, target: Path, link_name: str) -> None:
+        """Point ``link_name`` (and its sidecar) at ``target`` in one atomic rename each."""
+        link = self.dirname / link_name
+        for source, destination in ((target, link), (_sidecar_of(target), _sidecar_of(link))):
+            temp = destination.with_name(f".{destination.name}.{secrets.token_hex(4)}.tmp")
+            try:
+                os.link(source, temp)
+                os.replace(temp, destination)
+            finally:
+                temp.unlink(missing_ok=True)  # stays when destination already was this file
+
+    def _delete_evicted(self) -> None:
+        still_pending = []
+        for name in self._evict:
+            try:
+                (self.dirname / name).unlink(missing_ok=True)
+                self._crash_point("during_eviction")
+                _sidecar_of(self.dirname / name).unlink(missing_ok=True)
+            except OSError as err:
+                logger.warning("could not delete evicted checkpoint %s (retrying at the next "
+                               "save): %s", name, err)
+                still_pending.append(name)
+        self._evict = still_pending
+
+    def _crash_point(self, phase: str) -> None:
+        """Test-only: exit like a killed process when CKPT_TEST_CRASH_PHASE names this phase."""
+        if self._crash_at is None:
+            return
+        wanted_phase, from_save = self._crash_at
+        if phase == wanted_phase and self._saves_started >= from_save:
+            os._exit(137)
+
+    def _candidates_newest_first(self) -> list[Path]:
+        ranked = []
+        for path in self.dirname.iterdir():
+            if path.name in ("last.pt", "best.pt") or _CHECKPOINT_NAME.match(path.name):
+                kind_order = 2 if path.name.startswith("best-") else 1  # history before best
+                order = {"last.pt": 0, "best.pt": 3}.get(path.name, kind_order)
+                step, iteration = _claimed_position(path)
+                ranked.append((-step, -iteration, order, path))
+        return [path for *_, path in sorted(ranked)]
+
+    def _remove_stale_temp_files(self) -> None:
+        for path in self.dirname.iterdir():
+            if _TEMP_NAME.match(path.name):
+                logger.info("removing %s, left by an interrupted save", path)
+                path.unlink(missing_ok=True)
+
+    def _restore(self, path: Path, payload: dict[str, Any], rejected: list[tuple[str, str]]
+                 ) -> ResumeInfo:
+        targets = dict(self.to_save)
+        same_folder = path.parent.resolve() == self.dirname.resolve()
+        if payload["meta"]["run_id"] == self.run_id and same_folder:
+            targets["checkpointer"] = self  # retention and best ranking go on where they were
+        for key, target in targets.items():
+            try:
+                target.load_state_dict(payload[key])
+            except Exception as err:  # any failure: name the file and the object
+                raise CheckpointError(path, f"cannot restore {key!r}: {err}") from err
+        unused = sorted(payload.keys() - targets.keys() - set(RESERVED_KEYS))
+        if unused:
+            logger.warning("%s also holds %s, which this run does not restore", path, unused)
+        meta = payload["meta"]
+        logger.info("resumed from %s (epoch %d, iteration %d, optimizer step %d)", path,
+                    meta["epoch"], meta["iteration"], meta["optimizer_step"])
+        return ResumeInfo(path, meta, rejected)
+
+
+def read_checkpoint(path: str | os.PathLike, *, expected_run_id: str | None = None,
+                    required_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Verify ``path`` against its sidecar and load it onto the CPU with ``weights_only=True``.
+
+    Raises ``CheckpointError`` whose ``reason`` is e.g. ``truncated (0 bytes)``,
+    ``no checksum sidecar ...``, ``checksum mismatch``, ``from another run <id>`` or
+    ``not a checkpoint: <error>``. Use it to read weights for evaluation:
+    ``read_checkpoint("checkpoints/best.pt")["model"]``.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            raise CheckpointError(path, "truncated (0 bytes)")
+        sidecar = _read_sidecar(path)
+        committed = sidecar["size_bytes"]
+        if size < committed:
+            raise CheckpointError(path, f"truncated ({size} of {committed} bytes)")
+        if _sha256(path) != sidecar["sha256"]:
+            sizes = "" if size == committed else f" ({size} bytes, {committed} committed)"
+            raise CheckpointError(path, f"checksum mismatch{sizes}")
+    except OSError as err:
+        raise CheckpointError(path, f"unreadable: {err}") from err
+    if expected_run_id is not None and sidecar["run_id"] != expected_run_id:
+        raise CheckpointError(
+            path, f"from another run {sidecar['run_id']} (this run is {expected_run_id})"
+        )
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # weights_only refusals, zip errors: all mean "not ours"
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(path, f"not a checkpoint: {first_line}") from err
+    if not isinstance(payload, dict):
+        raise CheckpointError(path, f"not a checkpoint: it holds a {type(payload).__name__}")
+    missing = [key for key in (*RESERVED_KEYS, *required_keys) if key not in payload]
+    if missing:
+        raise CheckpointError(path, f"not a checkpoint of this setup: missing keys {missing}")
+    return payload
+
+
+def _check_to_save(to_save: Mapping[str, Any]) -> None:
+    if not isinstance(to_save, Mapping) or "model" not in to_save or "trainer" not in to_save:
+        raise ValueError("to_save must be a dict holding at least 'model' and 'trainer'")
+    if not isinstance(to_save["trainer"], Trainer):
+        raise ValueError(f"to_save['trainer'] must be the Trainer from create_trainer, got "
+                         f"{type(to_save['trainer']).__name__}")
+    for key, obj in to_save.items():
+        if not isinstance(key, str) or key in RESERVED_KEYS:
+            raise ValueError(f"to_save key {key!r} is not allowed: use a string other than "
+                             f"{', '.join(RESERVED_KEYS)}")
+        if not (callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))):
+            raise ValueError(f"to_save[{key!r}] has no state_dict()/load_state_dict()")
+
+
+def _parse_crash_env() -> tuple[str, int] | None:
+    value = os.environ.get(CRASH_ENV)
+    if not value:
+        return None
+    phase, _, nth = value.partition(":")
+    if phase not in CRASH_PHASES or not (nth.isdigit() or nth == ""):
+        raise ValueError(f"{CRASH_ENV}={value!r} is not PHASE or PHASE:N; phases: "
+                         f"{', '.join(CRASH_PHASES)}")
+    return phase, int(nth or 1)
+
+
+def _first_non_finite(state: Mapping[str, Any]) -> str | None:
+    """The name of the first tensor holding NaN/inf, or None; one device wait when all are fine."""
+    names, checks = [], []
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            names.append(name)
+            checks.append(torch.isfinite(value).all())
+    if not checks:
+        return None
+    finite = torch.stack([check.to(checks[0].device) for check in checks])
+    if bool(finite.all()):
+        return None
+    return names[int(torch.nonzero(~finite)[0, 0])]
+
+
+def _unloadable_entry(value: Any, where: str = "checkpoint") -> str | None:
+    """Describe the first entry that ``torch.load(weights_only=True)`` would refuse, or None."""
+    if type(value) in (torch.Tensor, nn.Parameter) or type(value) in _PLAIN_TYPES:
+        return None
+    if type(value) in (dict, OrderedDict):
+        for key, item in value.items():
+            found = _unloadable_entry(key, f"{where} key {key!r}")
+            found = found or _unloadable_entry(item, f"{where}[{key!r}]")
+            if found:
+                return found
+        return None
+    if type(value) in (list, tuple, set):
+        for index, item in enumerate(value):
+            found = _unloadable_entry(item, f"{where}[{index}]")
+            if found:
+                return found
+        return None
+    return f"{where} is a {type(value).__name__}, which torch.load(weights_only=True) refuses"
+
+
+def _sidecar_of(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def _read_sidecar(path: Path) -> dict[str, Any]:
+    sidecar_path = _sidecar_of(path)
+    try:
+        sidecar = json.loads(sidecar_path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(path, f"no checksum sidecar {sidecar_path.name}") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(path, f"unreadable sidecar {sidecar_path.name}: {err}") from err
+    if (
+        not isinstance(sidecar, dict)
+        or not sidecar.keys() >= SIDECAR_KEYS
+        or not isinstance(sidecar["size_bytes"], int)
+        or not isinstance(sidecar["sha256"], str)
+    ):
+        raise CheckpointError(path, f"unreadable sidecar {sidecar_path.name}: not a sidecar")
+    if sidecar["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(path, f"format version {sidecar['format_version']}, this code "
+                                    f"reads {FORMAT_VERSION}")
+    return sidecar
+
+
+def _claimed_position(path: Path) -> tuple[float, float]:
+    """(optimizer step, iteration) to order resume candidates, newest first: the step from
+    the file name, else from the sidecar; without a readable sidecar ``last.pt`` still comes
+    first and ``best.pt`` last. Only an order: every candidate is verified before use."""
+    try:
+        sidecar = json.loads(_sidecar_of(path).read_bytes())
+        claimed = (int(sidecar["optimizer_step"]), int(sidecar["iteration"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        claimed = (math.inf, math.inf) if path.name == "last.pt" else (-1, -1)
+    named = _CHECKPOINT_NAME.match(path.name)
+    return (int(named[2]), claimed[1]) if named else claimed
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def _fsync_dir(dirname: Path) -> None:
+    """Make renames and new names in ``dirname`` durable."""
+    fd = os.open(dirname, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,238 @@
+"""Gradient telemetry: per-interval statistics of the step's norms, read from the device once."""
+
+import statistics
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from ignite.engine import Engine, Events
+from tqdm import tqdm
+
+from engine import Trainer, TrainEvents
+
+# A median pre-clip norm above this multiple of max_grad_norm means clipping does the job of a
+# smaller learning rate.
+FAR_ABOVE_CLIP = 5.0
+
+
+@dataclass(frozen=True)
+class TelemetryReport:
+    """One interval's numbers, all plain Python values.
+
+    ``top_layer_norms`` (the k largest per-parameter gradient norms, by name) and
+    ``grad_norms`` (every pre-clip norm since the previous such report, for a
+    histogram) are filled only on the ``layer_every`` cadence, else empty.
+    """
+
+    step: int
+    stats: dict[str, float]
+    top_layer_norms: dict[str, float] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+class GradientTelemetry:
+    """Gradient norms, clipping, AMP scale and train loss, summarised every ``log_every`` steps.
+
+    ``attach(trainer)`` listens to ``TrainEvents.OPTIMIZER_STEP`` (every applied
+    step), ``TrainEvents.STEP_SKIPPED``, ``Events.ITERATION_COMPLETED`` (the
+    micro-batch losses), and ``Events.COMPLETED``/``Events.TERMINATE``. Between
+    reports everything stays on the device: a row per step (pre-clip norm,
+    post-clip norm, clipped) and a loss sum. Every ``log_every`` optimizer steps one
+    transfer reads them and builds ``stats``: ``loss_mean``, ``lr``,
+    ``grad_norm_mean``, ``grad_norm_max``, ``grad_norm_clipped_mean``,
+    ``clip_fraction``, ``skipped_steps`` and, under fp16, ``amp_scale``. The report
+    is kept as ``latest`` and passed to every ``add_listener`` callback.
+
+    With ``layer_every`` (a multiple of ``log_every``), an optimizer step pre-hook
+    measures each parameter's gradient norm (unscaled, clipped) just before
+    ``optimizer.step()`` on those steps; the step zeroes the gradients before
+    ``OPTIMIZER_STEP`` fires. At the end of the run the partial interval is reported
+    and one ``health_line()`` is printed. Attach it before step-based checkpoints, so
+    that a checkpoint taken at a step already holds that step's numbers.
+
+    Example::
+
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = create_trainer(model, optimizer, torch.nn.functional.mse_loss, max_grad_norm=1.0)
+        telemetry = GradientTelemetry(log_every=2)
+        telemetry.attach(trainer)
+        telemetry.add_listener(lambda report: print(report.step, report.stats["grad_norm_mean"]))
+        trainer.run([(torch.ones(4, 2), torch.zeros(4, 1))] * 4, max_epochs=1)
+    """
+
+    def __init__(
+        self, log_every: int, layer_every: int | None = None, top_k_layers: int = 5
+    ) -> None:
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+            raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
+        if layer_every is not None and (
+            isinstance(layer_every, bool)
+            or not isinstance(layer_every, int)
+            or layer_every < 1
+            or layer_every % log_every
+        ):
+            raise ValueError(
+                f"layer_every must be None or a positive multiple of log_every={log_every}, "
+                f"got {layer_every!r}"
+            )
+        if isinstance(top_k_layers, bool) or not isinstance(top_k_layers, int) or top_k_layers < 1:
+            raise ValueError(f"top_k_layers must be an int >= 1, got {top_k_layers!r}")
+        self.log_every, self.layer_every, self.top_k_layers = log_every, layer_every, top_k_layers
+        self.latest: TelemetryReport | None = None
+        self._listeners: list[Callable[[TelemetryReport], None]] = []
+        self._trainer: Trainer | None = None
+        # The open interval, on the device: rows of (pre-clip norm, post-clip norm, clipped).
+        self._rows = torch.zeros(log_every, 3)
+        self._steps_in_interval = 0
+        self._loss_sum = torch.zeros(())
+        self._loss_count = 0
+        self._scale: torch.Tensor | None = None
+        self._layer_names: list[str] = []
+        self._layer_norms: torch.Tensor | None = None
+        # The run so far, on the host, filled at each read.
+        self._norm_history = array("f")
+        self._clipped_total = 0
+        self._hist_start = 0
+        self._health_printed = False
+
+    def attach(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        self._move_to(trainer.precision.device)
+        trainer.add_event_handler(Events.STARTED, self._on_started)
+        trainer.add_event_handler(Events.ITERATION_COMPLETED, self._on_micro_batch)
+        trainer.add_event_handler(TrainEvents.STEP_SKIPPED, self._add_loss)
+        trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP, self)
+        trainer.add_event_handler(Events.COMPLETED, self._on_end)
+        trainer.add_event_handler(Events.TERMINATE, self._on_end)
+        if self.layer_every is not None:
+            trainer.optimizer.register_step_pre_hook(self._measure_layers)
+
+    def add_listener(self, listener: Callable[[TelemetryReport], None]) -> None:
+        self._listeners.append(listener)
+
+    def __call__(self, engine: Engine) -> None:
+        output = engine.state.output
+        self._add_loss(engine)  # the window's last micro-batch: ITERATION_COMPLETED comes later
+        row = torch.stack((output["grad_norm"], output["grad_norm_clipped"], output["clipped"]))
+        self._rows[self._steps_in_interval] = row
+        self._scale = output.get("scale")
+        self._steps_in_interval += 1
+        if self._steps_in_interval == self.log_every:
+            self._report(engine)
+
+    def health_line(self) -> str:
+        """The run's gradient health in one line (steps read so far)."""
+        skipped = self._trainer.state.skipped_steps
+        steps = len(self._norm_history)
+        if not steps:
+            return f"grad health: no optimizer step applied, {skipped} skipped"
+        median = statistics.median(self._norm_history)
+        line = (
+            f"grad health: {100 * self._clipped_total / steps:.1f}% of {steps} steps clipped, "
+            f"{skipped} skipped, median norm {median:.3g}, max {max(self._norm_history):.3g}"
+        )
+        max_grad_norm = self._trainer.max_grad_norm
+        if max_grad_norm is not None and median > FAR_ABOVE_CLIP * max_grad_norm:
+            line += (
+                f"; norms sit far above max_grad_norm={max_grad_norm:g}: "
+                "the learning rate is the likelier cause"
+            )
+        return line
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {
+            "rows": self._rows.to("cpu", copy=True),
+            "steps_in_interval": self._steps_in_interval,
+            "loss_sum": self._loss_sum.to("cpu", copy=True),
+            "loss_count": self._loss_count,
+            "norm_history": torch.tensor(self._norm_history.tolist(), dtype=torch.float32),
+            "clipped_total": self._clipped_total,
+            "hist_start": self._hist_start,
+        }
+        if self._scale is not None:
+            state["scale"] = self._scale.to("cpu", copy=True)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["rows"].shape != self._rows.shape:
+            raise ValueError(
+                f"log_every={self.log_every} but the saved telemetry used "
+                f"log_every={state['rows'].shape[0]}; resume with the same log_every"
+            )
+        self._rows.copy_(state["rows"])
+        self._loss_sum.copy_(state["loss_sum"])
+        self._steps_in_interval, self._loss_count = state["steps_in_interval"], state["loss_count"]
+        self._scale = state["scale"].to(self._rows.device) if "scale" in state else None
+        self._norm_history = array("f", state["norm_history"].tolist())
+        self._clipped_total, self._hist_start = state["clipped_total"], state["hist_start"]
+
+    def _move_to(self, device: torch.device) -> None:
+        self._rows, self._loss_sum = self._rows.to(device), self._loss_sum.to(device)
+        if self._scale is not None:
+            self._scale = self._scale.to(device)
+
+    def _on_started(self, engine: Engine) -> None:
+        self._health_printed = False
+
+    def _on_micro_batch(self, engine: Engine) -> None:
+        if "grad_norm" not in engine.state.output:  # a window's last one was counted at its step
+            self._add_loss(engine)
+
+    def _add_loss(self, engine: Engine) -> None:
+        self._loss_sum += engine.state.output["loss"]
+        self._loss_count += 1
+
+    def _measure_layers(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if (self._trainer.state.optimizer_step + 1) % self.layer_every:
+            return  # the step counter moves after optimizer.step(): this is step counter + 1
+        model = self._trainer.model
+        named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+        if not named:
+            return
+        self._layer_names = [name for name, _ in named]
+        self._layer_norms = torch.stack(
+            [torch.linalg.vector_norm(grad, dtype=torch.float32) for _, grad in named]
+        )
+
+    def _report(self, engine: Engine) -> None:
+        steps, layer_norms = self._steps_in_interval, self._layer_norms
+        parts = [self._rows[:steps].flatten(), self._loss_sum.view(1)]
+        parts += [self._scale.view(1)] if self._scale is not None else []
+        parts += [layer_norms] if layer_norms is not None else []
+        values = torch.cat([part.float() for part in parts]).tolist()  # the interval's one read
+        pre, post, clipped = (values[column : 3 * steps : 3] for column in range(3))
+        stats = {
+            "loss_mean": values[3 * steps] / self._loss_count,
+            "lr": float(self._trainer.optimizer.param_groups[0]["lr"]),
+            "grad_norm_mean": sum(pre) / steps,
+            "grad_norm_max": max(pre),
+            "grad_norm_clipped_mean": sum(post) / steps,
+            "clip_fraction": sum(clipped) / steps,
+            "skipped_steps": float(engine.state.skipped_steps),
+        }
+        if self._scale is not None:
+            stats["amp_scale"] = values[3 * steps + 1]
+        self._norm_history.extend(pre)
+        self._clipped_total += round(sum(clipped))
+        top_layers, grad_norms = {}, []
+        if layer_norms is not None:
+            named = zip(self._layer_names, values[-len(layer_norms) :], strict=True)
+            top_layers = dict(sorted(named, key=lambda pair: -pair[1])[: self.top_k_layers])
+            grad_norms = self._norm_history[self._hist_start :].tolist()
+            self._hist_start = len(self._norm_history)
+        self._steps_in_interval, self._loss_count, self._layer_norms = 0, 0, None
+        self._loss_sum.zero_()
+        self.latest = TelemetryReport(engine.state.optimizer_step, stats, top_layers, grad_norms)
+        for listener in self._listeners:
+            listener(self.latest)
+
+    def _on_end(self, engine: Engine) -> None:
+        if self._health_printed:  # terminate() fires TERMINATE and then COMPLETED
+            return
+        if self._steps_in_interval:
+            self._report(engine)
+        tqdm.write(self.health_line())  # print() would land inside an open progress bar
+        self._health_printed = True

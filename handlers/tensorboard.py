@@ -1,0 +1,166 @@
+"""TensorBoard: train curves from gradient telemetry, validation metrics, throughput, hparams."""
+
+import numbers
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from ignite.engine import Engine, Events
+from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+from engine import Trainer
+from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
+
+# Telemetry stat -> TensorBoard tag.
+TRAIN_TAGS = {
+    "loss_mean": "train/loss",
+    "lr": "train/lr",
+    "grad_norm_mean": "train/grad_norm",
+    "grad_norm_max": "train/grad_norm_max",
+    "grad_norm_clipped_mean": "train/grad_norm_clipped",
+    "clip_fraction": "train/clip_fraction",
+    "amp_scale": "train/amp_scale",
+    "skipped_steps": "train/skipped_steps",
+}
+
+
+class TensorBoardLogger:
+    """Writes one TensorBoard run into ``log_dir``, every scalar indexed by
+    ``trainer.state.optimizer_step`` so train and validation curves share one axis.
+
+    ``attach(trainer, telemetry, evaluator=None)`` registers:
+    - a ``GradientTelemetry`` listener: ``train/loss``, ``train/lr``,
+      ``train/grad_norm``, ``train/grad_norm_max``, ``train/grad_norm_clipped``,
+      ``train/clip_fraction``, ``train/skipped_steps``, ``train/amp_scale`` (fp16),
+      and on the telemetry's ``layer_every`` cadence ``train/layer_grad_norm/<name>``
+      and the histogram ``train/grad_norm_hist``. These numbers were read from the
+      device once by the telemetry: logging adds no sync and no per-iteration work;
+    - the evaluator's ``Events.COMPLETED``: ``val/<name>`` for every scalar metric;
+    - the trainer's ``Events.EPOCH_COMPLETED``: ``perf/epoch_time_sec`` (Ignite's
+      epoch loop time, before validation runs) and ``perf/samples_per_sec``
+      (iterations x ``batch_size``; without it, the leading size of the epoch's last
+      batch, which is short unless the loader drops it);
+    - the trainer's ``Events.COMPLETED``: the HParams entry (``hparams`` flattened,
+      the best of each validation metric as ``best/val/<name>``, kept in
+      ``state_dict()`` across a resume; ``minimize`` names the metrics where lower
+      is better) and close.
+
+    Built on ``torch.utils.tensorboard.SummaryWriter`` rather than Ignite's
+    ``TensorboardLogger``: Ignite's output handlers call ``.item()`` on tensors at
+    every event they log and count their own event steps, while our values arrive as
+    floats at the telemetry's cadence, and the HParams entry must go through the
+    writer's own ``file_writer`` to land in this run rather than in the sub-run that
+    ``add_hparams`` creates. Every write is flushed at once, so a run that dies by an
+    exception loses nothing; no ``EXCEPTION_RAISED`` handler is registered, since
+    Ignite swallows the exception once one exists. Attach it after handlers that
+    evaluate on ``COMPLETED`` so the HParams entry sees their metrics.
+
+    Example::
+
+        telemetry = GradientTelemetry(log_every=50, layer_every=500)
+        telemetry.attach(trainer)
+        tensorboard = TensorBoardLogger(run_dir, hparams=asdict(config), batch_size=128)
+        tensorboard.attach(trainer, telemetry, evaluator)
+    """
+
+    def __init__(
+        self,
+        log_dir: str | Path,
+        hparams: Mapping[str, Any] | None = None,
+        batch_size: int | None = None,
+        minimize: Iterable[str] = ("loss",),
+    ) -> None:
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+        ):
+            raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")
+        if hparams is not None and not isinstance(hparams, Mapping):
+            raise ValueError(f"hparams must be None or a mapping, got {type(hparams).__name__}")
+        self.hparams, self.batch_size, self.minimize = hparams, batch_size, set(minimize)
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.best: dict[str, float] = {}  # validation metric -> best value so far
+        self._trainer: Trainer | None = None
+        self._epoch_start_iteration = 0
+
+    def attach(
+        self, trainer: Trainer, telemetry: GradientTelemetry, evaluator: Engine | None = None
+    ) -> None:
+        self._trainer = trainer
+        telemetry.add_listener(self._on_report)
+        trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, self._on_epoch_completed)
+        trainer.add_event_handler(Events.COMPLETED, self._on_completed)
+        if evaluator is not None:
+            evaluator.add_event_handler(Events.COMPLETED, self._on_validation)
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def state_dict(self) -> dict[str, dict[str, float]]:
+        return {"best": dict(self.best)}
+
+    def load_state_dict(self, state: dict[str, dict[str, float]]) -> None:
+        self.best = dict(state["best"])
+
+    def _on_report(self, report: TelemetryReport) -> None:
+        for name, value in report.stats.items():
+            self.writer.add_scalar(TRAIN_TAGS[name], value, report.step)
+        for name, value in report.top_layer_norms.items():
+            self.writer.add_scalar(f"train/layer_grad_norm/{name}", value, report.step)
+        if report.grad_norms:
+            norms = torch.tensor(report.grad_norms)
+            self.writer.add_histogram("train/grad_norm_hist", norms, report.step)
+        self.writer.flush()
+
+    def _on_validation(self, evaluator: Engine) -> None:
+        step = self._trainer.state.optimizer_step
+        for name, value in evaluator.state.metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()  # once per evaluation
+            if not isinstance(value, numbers.Real):
+                continue  # e.g. a confusion matrix
+            self.writer.add_scalar(f"val/{name}", value, step)
+            better = min if name in self.minimize else max
+            self.best[name] = better(value, self.best.get(name, value))
+        self.writer.flush()
+
+    def _on_epoch_started(self, trainer: Engine) -> None:
+        self._epoch_start_iteration = trainer.state.iteration
+
+    def _on_epoch_completed(self, trainer: Engine) -> None:
+        step, seconds = trainer.state.optimizer_step, trainer.state.times["EPOCH_COMPLETED"]
+        batch_size = self.batch_size or _leading_size(trainer.state.batch)
+        iterations = trainer.state.iteration - self._epoch_start_iteration
+        self.writer.add_scalar("perf/epoch_time_sec", seconds, step)
+        self.writer.add_scalar("perf/samples_per_sec", iterations * batch_size / seconds, step)
+        self.writer.flush()
+
+    def _on_completed(self, trainer: Engine) -> None:
+        if self.hparams is not None:
+            metrics = {f"best/val/{name}": value for name, value in self.best.items()}
+            for summary in hparams_summaries(flatten(self.hparams), metrics):
+                self.writer.file_writer.add_summary(summary)
+            for tag, value in metrics.items():
+                self.writer.add_scalar(tag, value, trainer.state.optimizer_step)
+        self.close()
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
+    """Nested mappings to dotted keys; values the HParams plugin cannot hold become strings."""
+    flat: dict[str, bool | int | float | str] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            keep = isinstance(value, bool | int | float | str)
+            flat[f"{prefix}{key}"] = value if keep else str(value)
+    return flat
+
+
+def _leading_size(batch: Any) -> int:
+    """The first dimension of a batch's first tensor: ``x`` of ``(x, y)``, a dict's first value."""
+    while not isinstance(batch, torch.Tensor):
+        batch = next(iter(batch.values() if isinstance(batch, Mapping) else batch))
+    return batch.shape[0]

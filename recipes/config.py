@@ -1,0 +1,166 @@
+"""Typed recipe configs from the command line.
+
+A recipe's config is a dataclass; every field is a flag (`--batch-size 512` or
+`--batch-size=512`). Field metadata carries the help text and the checks, so
+``--help``, validation and error messages come from one place. Errors are a
+``ConfigError`` with one line naming the key and what is allowed; the command
+line turns it into exit code 2 before anything touches the disk.
+"""
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config key or value that is not allowed; the message is one line for the user."""
+
+
+def field(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[Any] | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    min_exclusive: bool = False,
+    check: Callable[[Any], str | None] | None = None,
+    fixed_on_resume: bool = False,
+) -> Any:
+    """A config field. ``check(value)`` returns an error text or None.
+
+    ``fixed_on_resume`` marks keys that shape the saved state (model, batch
+    shapes): a resumed run refuses to change them.
+    """
+    metadata = {
+        "help": help,
+        "choices": tuple(choices) if choices is not None else None,
+        "min": min,
+        "max": max,
+        "min_exclusive": min_exclusive,
+        "check": check,
+        "fixed_on_resume": fixed_on_resume,
+    }
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> tuple[type, bool]:
+    """(the scalar type, whether None is allowed) for ``int``, ``float | None`` and so on."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(annotation))
+    return annotation, False
+
+
+def _convert(name: str, text: str, annotation: Any) -> Any:
+    kind, optional = _base_type(annotation)
+    if optional and text.lower() in ("none", "null", ""):
+        return None
+    try:
+        if kind is bool:
+            lowered = text.lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+    except ValueError:
+        allowed = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+        none = " or none" if optional else ""
+        raise ConfigError(f"{flag_name(name)}: expected {allowed}{none}, got {text!r}") from None
+    return text
+
+
+def validate(config: Any) -> None:
+    """Check every field against its metadata; raise ConfigError on the first bad one."""
+    for spec in dataclasses.fields(config):
+        value, meta, key = getattr(config, spec.name), spec.metadata, flag_name(spec.name)
+        if value is None:
+            continue
+        if meta.get("choices") and value not in meta["choices"]:
+            allowed = ", ".join(str(c) for c in meta["choices"])
+            raise ConfigError(f"{key}: {value!r} is not allowed; choose one of: {allowed}")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ConfigError(f"{key}: must be a finite number, got {value}")
+            low, high = meta.get("min"), meta.get("max")
+            if low is not None and (value <= low if meta.get("min_exclusive") else value < low):
+                relation = ">" if meta.get("min_exclusive") else ">="
+                raise ConfigError(f"{key}: must be {relation} {low}, got {value}")
+            if high is not None and value > high:
+                raise ConfigError(f"{key}: must be <= {high}, got {value}")
+        if meta.get("check") and (problem := meta["check"](value)):
+            raise ConfigError(f"{key}: {problem}")
+
+
+def parse_args(config_cls: type, argv: Sequence[str]) -> tuple[Any, set[str]]:
+    """Parse ``--key value`` / ``--key=value`` into ``config_cls``; also return the keys given."""
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    hints = typing.get_type_hints(config_cls)
+    values: dict[str, Any] = {}
+    args = list(argv)
+    while args:
+        token = args.pop(0)
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(f"unexpected argument {token!r}; flags look like --key value")
+        key, has_value, text = token[2:].partition("=")
+        name = key.replace("-", "_")
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=3)
+            hint = f"; did you mean {', '.join(flag_name(c) for c in close)}?" if close else ""
+            raise ConfigError(f"unknown key {flag_name(name)}{hint} (see --help for all keys)")
+        if not has_value:
+            if not args or args[0].startswith("--"):
+                raise ConfigError(f"{flag_name(name)}: missing value")
+            text = args.pop(0)
+        if name in values:
+            raise ConfigError(f"{flag_name(name)}: given twice")
+        values[name] = _convert(name, text, hints[name])
+    config = config_cls(**values)
+    validate(config)
+    return config, set(values)
+
+
+def help_text(config_cls: type, prog: str, description: str) -> str:
+    lines = [f"usage: {prog} [--key value ...]", "", description, "", "keys (default, meaning):"]
+    for spec in dataclasses.fields(config_cls):
+        meta = spec.metadata
+        allowed = f" [{' | '.join(str(c) for c in meta['choices'])}]" if meta.get("choices") else ""
+        lines.append(f"  {flag_name(spec.name):<22} {spec.default!s:<12} {meta['help']}{allowed}")
+    return "\n".join(lines)
+
+
+def resume_overrides(saved: dict[str, Any], config: Any, given: set[str]) -> list[str]:
+    """Compare a saved run's config with the new one.
+
+    Keys marked ``fixed_on_resume`` must not change (ConfigError naming the key);
+    other keys given on the command line win and are reported as
+    ``override: key old -> new``; keys not given are taken from the saved run.
+    """
+    messages = []
+    for spec in dataclasses.fields(config):
+        if spec.name not in saved:
+            continue
+        old, new = saved[spec.name], getattr(config, spec.name)
+        if spec.name not in given:
+            setattr(config, spec.name, old)
+        elif old != new:
+            if spec.metadata.get("fixed_on_resume"):
+                raise ConfigError(
+                    f"{flag_name(spec.name)}: cannot change on resume ({old!r} -> {new!r}); it "
+                    "shapes the saved state. Start a new run (another --run-name) instead"
+                )
+            messages.append(f"override: {spec.name} {old!r} -> {new!r}")
+    validate(config)
+    return messages

@@ -1,0 +1,506 @@
+import ast
+import errno
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from ignite.engine import Engine, Events
+from torch import nn
+
+import handlers.checkpoint as checkpoint_module
+from engine import Trainer, TrainEvents, create_trainer
+from engine.run_state import RngState
+from handlers.checkpoint import Checkpointer, CheckpointError, read_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _batches(n_batches: int, seed: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 6, generator=generator), torch.randint(0, 3, (4,), generator=generator))
+            for _ in range(n_batches)]
+
+
+DATA = _batches(4)
+
+
+@dataclass
+class Run:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    trainer: Trainer
+    ckpt: Checkpointer
+
+
+def _build(dirname, seed=0, run_id="run-a", with_rng=True, **ckpt_kwargs) -> Run:
+    """A tiny model whose Dropout makes the result depend on torch's global RNG."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = create_trainer(model, optimizer, nn.CrossEntropyLoss())
+    to_save = {"model": model, "optimizer": optimizer, "trainer": trainer}
+    if with_rng:
+        to_save["rng"] = RngState()
+    ckpt = Checkpointer(dirname, to_save, run_id=run_id, **ckpt_kwargs)
+    return Run(model, optimizer, trainer, ckpt)
+
+
+def _save_every_step(run: Run) -> Run:
+    run.trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP(every=1), run.ckpt.save_last)
+    run.trainer.add_event_handler(Events.EPOCH_COMPLETED, run.ckpt.save_last)
+    return run
+
+
+def _move_trainer_to(run: Run, step: int) -> None:
+    """Script the trainer's position, as if it had run ``step`` iterations and steps."""
+    run.trainer.state.iteration = run.trainer.state.optimizer_step = step
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def _names(dirname: Path) -> set[str]:
+    return {path.name for path in dirname.iterdir()}
+
+
+# Exact resume
+
+
+def test_one_epoch_then_resume_then_one_epoch_is_bit_identical_to_two_epochs(tmp_path):
+    straight = _build(tmp_path / "straight")
+    straight.trainer.run(DATA, max_epochs=2)
+
+    first = _build(tmp_path / "ckpt")
+    first.trainer.add_event_handler(Events.EPOCH_COMPLETED, first.ckpt.save_last)
+    first.trainer.run(DATA, max_epochs=1)
+
+    resumed = _build(tmp_path / "ckpt", seed=99)  # other weights and RNG until resumed
+    info = resumed.ckpt.resume("auto")
+    assert info.path.name == "last.pt" and info.rejected == []
+    assert (resumed.trainer.state.epoch, resumed.trainer.state.iteration) == (1, len(DATA))
+    resumed.trainer.run(DATA, max_epochs=2)
+
+    for name, tensor in straight.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+
+    # The control: without the RNG state the dropout masks differ, and so do the weights.
+    no_rng = _build(tmp_path / "ckpt", seed=99, with_rng=False)
+    no_rng.ckpt.resume("auto")
+    no_rng.trainer.run(DATA, max_epochs=2)
+    assert not torch.equal(straight.model[0].weight, no_rng.model[0].weight)
+
+
+# Layout, retention, links, modes
+
+
+def test_history_keeps_the_last_n_and_last_pt_is_the_newest(tmp_path, monkeypatch):
+    saves = []
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f: saves.append(1) or real_save(obj, f))
+    run = _save_every_step(_build(tmp_path, keep_last=2, config={"lr": 0.1, "tags": ["a"]}))
+    run.trainer.run(DATA[:3], max_epochs=1)
+    run.trainer.run(DATA[:3], max_epochs=2)  # 6 steps; each epoch end is the step just saved
+
+    assert len(saves) == 6
+    assert _names(tmp_path) == {"step-00000005.pt", "step-00000005.pt.json", "step-00000006.pt",
+                                "step-00000006.pt.json", "last.pt", "last.pt.json"}
+    assert (tmp_path / "last.pt").samefile(tmp_path / "step-00000006.pt")
+    assert (tmp_path / "last.pt.json").samefile(tmp_path / "step-00000006.pt.json")
+    loaded = torch.load(tmp_path / "last.pt", weights_only=True)
+    for name, tensor in run.model.state_dict().items():
+        assert torch.equal(loaded["model"][name], tensor)
+    meta = loaded["meta"]
+    position = (meta["epoch"], meta["iteration"], meta["optimizer_step"])
+    assert (meta["run_id"], meta["kind"], position) == ("run-a", "last", (2, 6, 6))
+    assert meta["config"] == {"lr": 0.1, "tags": ["a"]} and meta["format_version"] == 1
+    sidecar = json.loads((tmp_path / "last.pt.json").read_text())
+    assert sidecar["sha256"] == hashlib.sha256((tmp_path / "last.pt").read_bytes()).hexdigest()
+    assert sidecar["size_bytes"] == (tmp_path / "last.pt").stat().st_size
+    for path in tmp_path.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o640, path
+
+
+def test_file_mode_0600_is_applied(tmp_path):
+    run = _build(tmp_path, file_mode=0o600)
+    _move_trainer_to(run, 1)
+    run.ckpt.save_last(run.trainer)
+    assert {path.stat().st_mode & 0o777 for path in tmp_path.iterdir()} == {0o600}
+
+
+def _evaluate(run: Run, step: int, score: float, metric: str = "acc") -> None:
+    """A scripted evaluation at ``step``; the model's first weight is tagged with the step."""
+    _move_trainer_to(run, step)
+    with torch.no_grad():
+        run.model[0].weight[0, 0] = step
+    evaluator = Engine(lambda engine, batch: None)
+    evaluator.state.metrics = {metric: score}
+    run.ckpt.save_best(evaluator)
+
+
+def test_best_keeps_the_top_k_and_best_pt_is_the_best(tmp_path, caplog):
+    run = _build(tmp_path, keep_best=2, metric="acc", mode="max")
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+        for step, score in enumerate([0.1, 0.5, 0.3, float("nan"), 0.7, 0.2, 0.5], start=1):
+            _evaluate(run, step, score)
+
+    assert "acc=nan is not finite" in caplog.text
+    assert sorted(name for name in _names(tmp_path) if name.startswith("best-")) == [
+        "best-step-00000002.pt", "best-step-00000002.pt.json",
+        "best-step-00000005.pt", "best-step-00000005.pt.json",
+    ]  # step 7 ties with step 2 and ranks below it
+    assert (tmp_path / "best.pt").samefile(tmp_path / "best-step-00000005.pt")
+    assert (tmp_path / "last.pt").samefile(tmp_path / "best-step-00000005.pt")  # newest written
+    best = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert best["model"]["0.weight"][0, 0] == 5
+    assert best["meta"]["metric"] == {"name": "acc", "value": 0.7}
+    assert [entry["score"] for entry in run.ckpt.state_dict()["best"]] == [0.7, 0.5]
+
+
+def test_mode_min_and_a_nan_first_score_is_never_best(tmp_path):
+    run = _build(tmp_path, metric="loss", mode="min")
+    _evaluate(run, 1, float("nan"), metric="loss")
+    assert not list(tmp_path.iterdir())
+    for step, score in [(2, 3.0), (3, 1.0), (4, 2.0)]:
+        _evaluate(run, step, score, metric="loss")
+    assert read_checkpoint(tmp_path / "best.pt")["meta"]["optimizer_step"] == 3
+    assert not (tmp_path / "best-step-00000002.pt").exists()
+
+
+def test_retention_and_best_tracking_survive_a_resume(tmp_path):
+    run = _save_every_step(_build(tmp_path, keep_last=2, metric="acc"))
+    run.trainer.run(DATA[:3], max_epochs=1)
+    evaluator = Engine(lambda engine, batch: None)
+    evaluator.state.metrics = {"acc": 0.9}
+    run.ckpt.save_best(evaluator)  # best at step 3, after last saved it: a new, newer file
+
+    resumed = _save_every_step(_build(tmp_path, seed=5, keep_last=2, metric="acc"))
+    assert resumed.ckpt.resume("auto").path.name == "last.pt"
+    assert resumed.ckpt.state_dict() == run.ckpt.state_dict()
+    resumed.trainer.run(DATA[:3], max_epochs=2)
+    evaluator.state.metrics = {"acc": 0.8}  # worse than the best before the resume
+    resumed.ckpt.save_best(evaluator)
+
+    assert _names(tmp_path) == {"step-00000005.pt", "step-00000005.pt.json", "step-00000006.pt",
+                                "step-00000006.pt.json", "best-step-00000003.pt",
+                                "best-step-00000003.pt.json", "best.pt", "best.pt.json",
+                                "last.pt", "last.pt.json"}
+
+
+def test_a_save_at_the_iteration_just_saved_is_skipped(tmp_path):
+    run = _build(tmp_path)
+    _move_trainer_to(run, 4)
+    run.ckpt.save_last(run.trainer)
+    first = (tmp_path / "last.pt").stat().st_ino
+    run.ckpt.save_last(run.trainer)
+    assert (tmp_path / "last.pt").stat().st_ino == first
+
+
+# Verification and fallback on resume
+
+
+def _three_saves(dirname: Path) -> Run:
+    run = _save_every_step(_build(dirname, keep_last=3))
+    run.trainer.run(DATA[:3], max_epochs=1)
+    return run
+
+
+def _truncate_to_zero(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _truncate_to_half(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _append_junk(path: Path) -> None:
+    with open(path, "ab") as file:
+        file.write(b"junk")
+
+
+def _garble_sidecar(path: Path) -> None:
+    path.with_name(path.name + ".json").write_text("{not json")  # last.pt.json is the same file
+
+
+def _remove_sidecars(path: Path) -> None:
+    path.with_name(path.name + ".json").unlink()
+    (path.parent / "last.pt.json").unlink()
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "reason"),
+    [
+        (_truncate_to_zero, "truncated (0 bytes)"),
+        (_truncate_to_half, "truncated ("),
+        (_flip_a_byte, "checksum mismatch"),
+        (_append_junk, "checksum mismatch ("),
+        (_remove_sidecars, "no checksum sidecar"),
+        (_garble_sidecar, "unreadable sidecar"),
+    ],
+)
+def test_a_bad_newest_checkpoint_is_named_and_the_previous_one_loaded(tmp_path, caplog, corrupt,
+                                                                       reason):
+    _three_saves(tmp_path)
+    step_2 = torch.load(tmp_path / "step-00000002.pt", weights_only=True)
+    corrupt(tmp_path / "step-00000003.pt")  # last.pt is the same file (a hard link)
+
+    resumed = _build(tmp_path, seed=5)
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+        info = resumed.ckpt.resume("auto")
+
+    assert info.path.name == "step-00000002.pt"
+    assert [Path(name).name for name, _ in info.rejected] == ["last.pt", "step-00000003.pt"]
+    assert all(why.startswith(reason) for _, why in info.rejected), info.rejected
+    assert f"step-00000003.pt rejected: {reason}" in caplog.text
+    assert resumed.trainer.state.iteration == 2
+    for name, tensor in resumed.model.state_dict().items():
+        assert torch.equal(tensor, step_2["model"][name])
+
+
+def test_a_checkpoint_from_another_run_is_refused_naming_it(tmp_path):
+    _three_saves(tmp_path)
+    other = _build(tmp_path, run_id="run-b")
+    _move_trainer_to(other, 10)
+    other.ckpt.save_last(other.trainer)  # newer, intact, and last.pt now points at it
+
+    info = _build(tmp_path, seed=5).ckpt.resume("auto")
+    assert info.path.name == "step-00000003.pt"
+    assert [Path(name).name for name, _ in info.rejected] == ["last.pt", "step-00000010.pt"]
+    assert all(why.startswith("from another run run-b") for _, why in info.rejected)
+
+
+def test_no_good_checkpoint_raises_with_every_reason(tmp_path):
+    _three_saves(tmp_path)
+    for path in tmp_path.glob("step-*.pt"):
+        _truncate_to_zero(path)
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint \(last.pt: truncated"):
+        _build(tmp_path).ckpt.resume("auto")
+
+
+def test_never_and_an_empty_folder_load_nothing(tmp_path):
+    _three_saves(tmp_path / "full")
+    run = _build(tmp_path / "full", seed=5)
+    before = _weights(run.model)
+    assert run.ckpt.resume("never") is None
+    assert all(torch.equal(before[name], t) for name, t in run.model.state_dict().items())
+    assert _build(tmp_path / "empty").ckpt.resume("auto") is None
+
+
+def test_an_explicit_path_loads_exactly_that_file_or_raises(tmp_path):
+    _three_saves(tmp_path)
+    run = _build(tmp_path, seed=5)
+    info = run.ckpt.resume(tmp_path / "step-00000001.pt")
+    assert info.meta["iteration"] == run.trainer.state.iteration == 1
+    _flip_a_byte(tmp_path / "step-00000002.pt")
+    with pytest.raises(CheckpointError, match="step-00000002.pt: checksum mismatch"):
+        run.ckpt.resume(tmp_path / "step-00000002.pt")
+
+
+def test_another_runs_file_loads_when_asked_and_retention_starts_fresh(tmp_path):
+    _three_saves(tmp_path / "a")
+    run = _build(tmp_path / "b", run_id="run-b", seed=5)
+    with pytest.raises(CheckpointError, match="from another run run-a"):
+        run.ckpt.resume(tmp_path / "a" / "last.pt")
+    info = run.ckpt.resume(tmp_path / "a" / "last.pt", require_same_run=False)
+    assert info.meta["run_id"] == "run-a" and run.trainer.state.iteration == 3
+    assert run.ckpt.state_dict()["history"] == []
+
+
+class _WritesAFileWhenUnpickled:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_pickle_payload_does_not_run_and_is_rejected(tmp_path):
+    _three_saves(tmp_path)
+    marker = tmp_path.parent / f"{tmp_path.name}-pwned"
+    evil = tmp_path / "step-00000099.pt"
+    payload = torch.load(tmp_path / "last.pt", weights_only=True)
+    payload["model"]["extra"] = _WritesAFileWhenUnpickled(marker)
+    torch.save(payload, evil)
+    sidecar = {"format_version": 1, "run_id": "run-a", "iteration": 99, "optimizer_step": 99,
+               "size_bytes": evil.stat().st_size,
+               "sha256": hashlib.sha256(evil.read_bytes()).hexdigest()}
+    evil.with_name(evil.name + ".json").write_text(json.dumps(sidecar))
+
+    info = _build(tmp_path, seed=5).ckpt.resume("auto")
+    assert info.path.name == "last.pt"
+    assert info.rejected[0][0].endswith("step-00000099.pt")
+    assert info.rejected[0][1].startswith("not a checkpoint:")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        torch.load(evil, weights_only=True)
+    assert not marker.exists()
+    torch.load(evil, weights_only=False)  # the control: the payload is live
+    assert marker.exists()
+
+
+def test_state_that_would_not_load_weights_only_is_refused_at_save_time(tmp_path):
+    class Opaque:
+        def state_dict(self):
+            return {"callback": print}
+
+        def load_state_dict(self, state):
+            pass
+
+    run = _build(tmp_path)
+    run.ckpt.to_save["opaque"] = Opaque()
+    _move_trainer_to(run, 1)
+    with pytest.raises(CheckpointError, match=r"\['opaque'\]\['callback'\] is a builtin_function"):
+        run.ckpt.save_last(run.trainer)
+    assert not list(tmp_path.iterdir())
+
+
+# Refusing bad weights, surviving bad disks
+
+
+def test_non_finite_weights_are_never_saved(tmp_path, caplog):
+    run = _build(tmp_path, metric="acc")
+    _move_trainer_to(run, 1)
+    run.ckpt.save_last(run.trainer)
+    with torch.no_grad():
+        run.model[3].bias[1] = float("inf")
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+        _move_trainer_to(run, 2)
+        run.ckpt.save_last(run.trainer)
+        evaluator = Engine(lambda engine, batch: None)
+        evaluator.state.metrics = {"acc": 1.0}
+        run.ckpt.save_best(evaluator)
+    assert "model tensor '3.bias' is not finite" in caplog.text
+    assert _names(tmp_path) == {"step-00000001.pt", "step-00000001.pt.json", "last.pt",
+                                "last.pt.json"}
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _read_only(*args, **kwargs):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+
+def _permission_denied(*args, **kwargs):
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "failure", "reason"),
+    [
+        (torch, "save", _enospc, "No space left on device"),
+        (os, "fsync", _enospc, "No space left on device"),
+        (os, "replace", _read_only, "Read-only file system"),
+        (tempfile, "mkstemp", _permission_denied, "Permission denied"),
+        (os, "link", _enospc, "No space left on device"),
+    ],
+)
+def test_a_disk_error_raises_keeps_the_previous_checkpoint_and_leaves_no_temp_file(
+    tmp_path, monkeypatch, module, name, failure, reason
+):
+    run = _build(tmp_path)
+    _move_trainer_to(run, 1)
+    run.ckpt.save_last(run.trainer)
+    state_before = run.ckpt.state_dict()
+
+    _move_trainer_to(run, 2)
+    with monkeypatch.context() as patch:
+        patch.setattr(module, name, failure)
+        with pytest.raises(CheckpointError, match=f"step-00000002.pt: could not save: .*{reason}"):
+            run.ckpt.save_last(run.trainer)
+
+    assert not [path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
+    assert read_checkpoint(tmp_path / "last.pt", expected_run_id="run-a")["meta"]["iteration"] == 1
+    assert run.ckpt.state_dict() == state_before
+
+
+# Test hooks, arguments, the code itself
+
+
+def _run_until_killed(dirname: Path, phase: str) -> None:
+    script = (
+        "import sys; sys.path.insert(0, 'tests/handlers'); import test_checkpoint as t; "
+        f"run = t._save_every_step(t._build({str(dirname)!r}, keep_last=1)); "
+        "run.trainer.run(t.DATA[:3], max_epochs=1)"
+    )
+    env = {**os.environ, "CKPT_TEST_CRASH_PHASE": phase}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, timeout=120)
+    assert done.returncode == 137
+
+
+@pytest.mark.parametrize(
+    ("phase", "resumed_file", "resumed_iteration"),
+    [("mid_write:2", "last.pt", 1), ("before_link:2", "step-00000002.pt", 2),
+     ("during_eviction:2", "last.pt", 2)],
+)
+def test_a_process_killed_inside_a_save_resumes_from_a_complete_checkpoint(
+    tmp_path, phase, resumed_file, resumed_iteration
+):
+    _run_until_killed(tmp_path, phase)
+    run = _save_every_step(_build(tmp_path, seed=5, keep_last=1))
+    info = run.ckpt.resume("auto")
+    assert (info.path.name, info.meta["iteration"]) == (resumed_file, resumed_iteration)
+    assert not [path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
+    run.trainer.run(DATA[:3], max_epochs=1)  # the next save finishes any interrupted eviction
+    assert _names(tmp_path) == {"step-00000003.pt", "step-00000003.pt.json", "last.pt",
+                                "last.pt.json"}
+
+
+def test_an_unknown_crash_phase_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_TEST_CRASH_PHASE", "mid_rite")
+    with pytest.raises(ValueError, match="CKPT_TEST_CRASH_PHASE='mid_rite'.*mid_write"):
+        _build(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"keep_last": 0}, "keep_last"),
+        ({"keep_best": 1.5}, "keep_best"),
+        ({"mode": "up"}, "mode='up'"),
+        ({"metric": ""}, "metric"),
+        ({"run_id": ""}, "run_id"),
+        ({"file_mode": 0o400}, "file_mode"),
+        ({"config": {"root": Path("x")}}, r"config\['root'\] is a PosixPath"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(tmp_path, kwargs, named):
+    run = _build(tmp_path)
+    to_save = {"model": run.model, "trainer": run.trainer}
+    with pytest.raises(ValueError, match=named):
+        Checkpointer(tmp_path, to_save, **{"run_id": "r", **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("to_save", "named"),
+    [({"model": nn.Linear(1, 1)}, "'trainer'"),
+     ({"model": nn.Linear(1, 1), "trainer": Engine(lambda e, b: None)}, r"to_save\['trainer'\]"),
+     ({"meta": nn.Linear(1, 1)}, "'model'")],
+)
+def test_to_save_must_hold_a_model_and_the_trainer(tmp_path, to_save, named):
+    with pytest.raises(ValueError, match=named):
+        Checkpointer(tmp_path, to_save, run_id="r")
+
+
+def test_every_torch_load_in_the_checkpoint_code_passes_weights_only_true():
+    tree = ast.parse(Path(checkpoint_module.__file__).read_text())
+    loads = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and ast.unparse(node.func) == "torch.load"]
+    assert loads
+    for call in loads:
+        assert any(keyword.arg == "weights_only" and ast.unparse(keyword.value) == "True"
+                   for keyword in call.keywords), ast.unparse(call)

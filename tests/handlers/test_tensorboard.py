@@ -1,0 +1,135 @@
+import pytest
+import torch
+from ignite.engine import Events
+from ignite.metrics import Accuracy, Loss
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+from torch import nn
+
+from engine import create_evaluator, create_trainer
+from handlers.grad_telemetry import GradientTelemetry
+from handlers.tensorboard import TensorBoardLogger, flatten
+
+BATCH, BATCHES = 5, 8
+HPARAMS = {"optimizer": {"name": "sgd", "lr": 0.1}, "epochs": 2, "amp": False, "milestones": (3, 6)}
+
+
+def train(log_dir, precision="fp32", logger_state=None):
+    """Two epochs of 8 batches; telemetry every 4 steps, layer norms and histogram every 8."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_trainer(
+        model, optimizer, nn.functional.cross_entropy, precision=precision, max_grad_norm=1.0
+    )
+    metrics = {"loss": Loss(nn.functional.cross_entropy), "accuracy": Accuracy()}
+    evaluator = create_evaluator(model, metrics, precision=precision)
+    data = [(torch.randn(BATCH, 3), torch.randint(0, 4, (BATCH,))) for _ in range(BATCHES)]
+    telemetry = GradientTelemetry(log_every=4, layer_every=8, top_k_layers=2)
+    telemetry.attach(trainer)
+    reports = []
+    telemetry.add_listener(reports.append)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(data[:2]))
+    logger = TensorBoardLogger(log_dir, hparams=HPARAMS)
+    if logger_state is not None:
+        logger.load_state_dict(torch.load(logger_state, weights_only=True))
+    logger.attach(trainer, telemetry, evaluator)
+    trainer.run(data, max_epochs=2)
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    return events, reports
+
+
+def steps(events, tag):
+    return [event.step for event in events.Scalars(tag)]
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("fp32")
+    events, reports = train(log_dir)
+    return log_dir, events, reports
+
+
+def test_train_curves_come_from_the_telemetry_on_the_optimizer_step_axis(fp32_run):
+    _, events, reports = fp32_run
+    for tag in ("loss", "lr", "grad_norm", "grad_norm_max", "grad_norm_clipped", "clip_fraction",
+                "skipped_steps"):
+        assert steps(events, f"train/{tag}") == [4, 8, 12, 16], tag
+    losses = [event.value for event in events.Scalars("train/loss")]
+    assert losses == pytest.approx([report.stats["loss_mean"] for report in reports])
+    assert "train/amp_scale" not in events.Tags()["scalars"]
+
+
+def test_layer_norms_and_histogram_on_the_slow_cadence(fp32_run):
+    _, events, reports = fp32_run
+    for name in ("weight", "bias"):
+        assert steps(events, f"train/layer_grad_norm/{name}") == [8, 16]
+    histograms = events.Histograms("train/grad_norm_hist")
+    assert [h.step for h in histograms] == [8, 16]
+    assert [h.histogram_value.num for h in histograms] == [8, 8]  # the pre-clip norm of each step
+    assert histograms[1].histogram_value.max == pytest.approx(
+        max(report.stats["grad_norm_max"] for report in reports[2:])
+    )
+
+
+def test_validation_and_throughput_at_each_epoch_end(fp32_run):
+    _, events, _ = fp32_run
+    for tag in ("val/loss", "val/accuracy", "perf/epoch_time_sec", "perf/samples_per_sec"):
+        assert steps(events, tag) == [8, 16], tag
+    for time, rate in zip(
+        events.Scalars("perf/epoch_time_sec"), events.Scalars("perf/samples_per_sec"), strict=True
+    ):
+        assert rate.value == pytest.approx(BATCHES * BATCH / time.value, rel=1e-4)
+
+
+def test_hparams_with_best_validation_metrics_in_the_same_run(fp32_run):
+    log_dir, events, _ = fp32_run
+    assert [path.name for path in log_dir.iterdir()] == [
+        next(log_dir.glob("events.out.tfevents.*")).name
+    ]  # one run: no add_hparams sub-run
+    best = {tag: events.Scalars(tag) for tag in ("best/val/loss", "best/val/accuracy")}
+    assert [e.step for e in best["best/val/loss"]] == [16]
+    assert best["best/val/loss"][0].value == pytest.approx(
+        min(e.value for e in events.Scalars("val/loss"))
+    )
+    assert best["best/val/accuracy"][0].value == pytest.approx(
+        max(e.value for e in events.Scalars("val/accuracy"))
+    )
+    content = events.PluginTagToContent("hparams")
+    experiment = HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert {m.name.tag for m in experiment.metric_infos} == set(best)
+    start = HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    hparams = start.session_start_info.hparams
+    assert hparams["optimizer.name"].string_value == "sgd"
+    assert hparams["optimizer.lr"].number_value == pytest.approx(0.1)
+    assert hparams["milestones"].string_value == "(3, 6)"
+
+
+def test_amp_scale_only_under_fp16(tmp_path):
+    events, reports = train(tmp_path, precision="fp16")
+    assert len(reports) >= 2  # some steps are skipped while GradScaler backs off
+    scales = events.Scalars("train/amp_scale")
+    assert [e.step for e in scales] == steps(events, "train/loss") == [r.step for r in reports]
+    assert [e.value for e in scales] == [report.stats["amp_scale"] for report in reports]
+
+
+def test_best_metrics_survive_a_state_roundtrip(tmp_path):
+    torch.save({"best": {"loss": 1e-3, "accuracy": 0.0}}, tmp_path / "logger.pt")
+    events, _ = train(tmp_path / "run", logger_state=tmp_path / "logger.pt")
+    assert events.Scalars("best/val/loss")[0].value == pytest.approx(1e-3)  # the saved one
+    assert events.Scalars("best/val/accuracy")[0].value == pytest.approx(
+        max(e.value for e in events.Scalars("val/accuracy"))
+    )
+
+
+def test_flatten_keeps_plain_values_and_stringifies_the_rest():
+    assert flatten({"a": {"b": 1, "c": {"d": True}}, "e": None, "f": [1, 2], "g": 0.5}) == {
+        "a.b": 1, "a.c.d": True, "e": "None", "f": "[1, 2]", "g": 0.5
+    }
+
+
+@pytest.mark.parametrize("batch_size", [0, 2.5, True])
+def test_rejects_a_bad_batch_size(tmp_path, batch_size):
+    with pytest.raises(ValueError, match="batch_size"):
+        TensorBoardLogger(tmp_path, batch_size=batch_size)
