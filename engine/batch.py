@@ -23,6 +23,8 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) 
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, dict):
         return {key: move_to_device(value, device, non_blocking) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple: positional fields
+        return type(batch)(*(move_to_device(value, device, non_blocking) for value in batch))
     if isinstance(batch, Sequence) and not isinstance(batch, str):
         return type(batch)(move_to_device(value, device, non_blocking) for value in batch)
     return batch

@@ -49,14 +49,21 @@ class NonFiniteGuard:
             engine.state.consecutive_skips = 0
             return True
         engine.state.skipped_steps += 1
+        bad_parameter = self._first_bad_parameter()
+        # The scaler backs off only when a gradient itself is not finite (its found_inf);
+        # a finite set of gradients whose total norm overflowed is not its business.
         is_scaler_backoff = (
-            scale is not None and bool(torch.isfinite(window_loss)) and float(scale) > 1.0
+            scale is not None
+            and bad_parameter is not None
+            and bool(torch.isfinite(window_loss))
+            and float(scale) > 1.0
         )
         if is_scaler_backoff:
             return False
         if engine.state.consecutive_skips == 0:
+            where = bad_parameter or "<none: every gradient is finite, their total norm overflowed>"
             self.first_failure = (
-                f"first non-finite gradient in parameter {self._first_bad_parameter()!r} "
+                f"first non-finite gradient in parameter {where!r} "
                 f"at iteration {engine.state.iteration}"
             )
         engine.state.consecutive_skips += 1
@@ -68,8 +75,8 @@ class NonFiniteGuard:
             )
         return False
 
-    def _first_bad_parameter(self) -> str:
+    def _first_bad_parameter(self) -> str | None:
         for name, param in self.model.named_parameters():
             if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
                 return name
-        return "<none: the gradient norm overflowed>"
+        return None

@@ -49,8 +49,17 @@ class Trainer(Engine):
         for key in TRAINER_STATE_KEYS:
             setattr(self.state, key, 0)
             self.state_dict_user_keys.append(key)
+        self.add_event_handler(Events.STARTED, _start_counters)
         if accum_steps > 1:
             self.add_event_handler(Events.STARTED, _require_epoch_length)
+
+
+def _start_counters(engine: Engine) -> None:
+    """A run from scratch (Ignite reset iteration to 0) restarts the step counters too;
+    a resumed one (iteration > 0 after load_state_dict) keeps them."""
+    if engine.state.iteration == 0:
+        for key in TRAINER_STATE_KEYS:
+            setattr(engine.state, key, 0)
 
 
 def _require_epoch_length(engine: Engine) -> None:

@@ -1,0 +1,74 @@
+"""Stop on SIGTERM or Ctrl-C without losing the run: finish the step, commit, exit."""
+
+import signal
+from collections.abc import Callable
+from types import FrameType
+
+from ignite.engine import Events
+
+from engine import Trainer
+from engine.step import window_position
+
+EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + signal number, as shells report
+
+
+class GracefulStop:
+    """On SIGTERM or SIGINT, let the current accumulation window finish (its
+    micro-batches' gradients are not in any checkpoint), call ``save(trainer)``
+    to commit a ``last`` checkpoint, then ``terminate()`` the trainer.
+
+    Checks at the trainer's ``Events.ITERATION_COMPLETED`` (only at the end of a
+    window) and ``Events.EPOCH_COMPLETED`` (after the epoch's evaluation and
+    checkpoint). A second signal while waiting restores Python's default
+    behaviour, so pressing Ctrl-C twice stops at once. ``exit_code`` is 143 or 130
+    once a signal was handled, else None. Call ``restore()`` when the run is over.
+
+    Example::
+
+        stop = GracefulStop(checkpointer.save_last)
+        stop.attach(trainer)
+        trainer.run(batches, max_epochs=10)
+        stop.restore()
+        sys.exit(stop.exit_code or 0)
+    """
+
+    def __init__(self, save: Callable[[Trainer], None]) -> None:
+        if not callable(save):
+            raise ValueError(f"save must be callable(trainer), got {save!r}")
+        self.save = save
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, object] = {}
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.received is None else EXIT_CODES[self.received]
+
+    def attach(self, trainer: Trainer) -> None:
+        for signum in EXIT_CODES:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+        trainer.add_event_handler(Events.ITERATION_COMPLETED, self._on_iteration)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, self._stop)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None:
+            self.restore()
+            signal.raise_signal(signum)
+            return
+        self.received = signal.Signals(signum)
+        print(f"\n{self.received.name}: finishing the current step, then saving and stopping "
+              "(send it again to stop at once)", flush=True)
+
+    def _on_iteration(self, trainer: Trainer) -> None:
+        if self.received is not None and window_position(trainer.state, trainer.accum_steps)[1]:
+            self._stop(trainer)
+
+    def _stop(self, trainer: Trainer) -> None:
+        if self.received is None or trainer.should_terminate:
+            return
+        self.save(trainer)
+        trainer.terminate()

@@ -1,0 +1,117 @@
+"""The run's history in plain numbers: what ``summary.json`` and the curves PNG are made of."""
+
+import math
+import time
+from typing import Any
+
+import torch
+from ignite.engine import Engine, Events
+
+from engine import Trainer
+from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
+
+
+class RunHistory:
+    """Keeps the curves (train loss and LR per telemetry report, every validation
+    metric per evaluation) and the run's totals (epochs, training time and samples),
+    so the summary and the plot cover the whole run across resumes.
+
+    ``attach(trainer, telemetry, evaluator)`` listens to the telemetry reports, the
+    evaluator's ``Events.COMPLETED`` and the trainer's ``Events.EPOCH_COMPLETED``.
+    It reads nothing from the device: the telemetry already did, and validation
+    metrics are Python numbers once per evaluation.
+
+    Example::
+
+        history = RunHistory(batch_size=512)
+        history.attach(trainer, telemetry, evaluator)
+        trainer.run(batches, max_epochs=3)
+        print(history.summary(trainer))
+    """
+
+    def __init__(self, batch_size: int) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        self.batch_size = batch_size
+        self.train: dict[str, list[float]] = {"step": [], "loss": [], "lr": []}
+        self.val: dict[str, list[float]] = {"step": []}
+        self.epochs_completed = 0
+        self.train_time_sec = 0.0  # epoch loops only, validation excluded
+        self.train_samples = 0
+        self.wall_time_sec = 0.0  # all sessions of the run, resumes included
+        self.stopped_early = False
+        self._session_start = time.monotonic()
+        self._wall_before_session = 0.0
+        self._epoch_start_iteration = 0
+
+    def attach(self, trainer: Trainer, telemetry: GradientTelemetry, evaluator: Engine) -> None:
+        telemetry.add_listener(self._on_report)
+        evaluator.add_event_handler(Events.COMPLETED, self._on_validation, trainer)
+        trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, self._on_epoch_completed)
+
+    def _on_report(self, report: TelemetryReport) -> None:
+        self.train["step"].append(report.step)
+        self.train["loss"].append(report.stats["loss_mean"])
+        self.train["lr"].append(report.stats["lr"])
+
+    def _on_validation(self, evaluator: Engine, trainer: Trainer) -> None:
+        self.val["step"].append(trainer.state.optimizer_step)
+        for name, value in evaluator.state.metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()  # once per evaluation
+            if isinstance(value, int | float):
+                self.val.setdefault(name, []).append(float(value))
+
+    def _on_epoch_started(self, trainer: Trainer) -> None:
+        self._epoch_start_iteration = trainer.state.iteration
+
+    def _on_epoch_completed(self, trainer: Trainer) -> None:
+        self.epochs_completed = trainer.state.epoch
+        self.train_time_sec += trainer.state.times["EPOCH_COMPLETED"] or 0.0
+        iterations = trainer.state.iteration - self._epoch_start_iteration
+        self.train_samples += iterations * self.batch_size
+
+    def _wall_time(self) -> float:
+        return self._wall_before_session + time.monotonic() - self._session_start
+
+    def summary(self, trainer: Trainer) -> dict[str, Any]:
+        """``summary.json``: final and best metrics, steps, skipped steps, times."""
+        accuracy, loss = self.val.get("accuracy", []), self.val.get("loss", [])
+        finite = [a for a in accuracy if math.isfinite(a)]
+        return {
+            "best_val_accuracy": max(finite) if finite else None,
+            "final_val_accuracy": accuracy[-1] if accuracy else None,
+            "best_val_loss": min((v for v in loss if math.isfinite(v)), default=None),
+            "final_val_loss": loss[-1] if loss else None,
+            "epochs_completed": self.epochs_completed,
+            "stopped_early": self.stopped_early,
+            "optimizer_steps": trainer.state.optimizer_step,
+            "skipped_steps": trainer.state.skipped_steps,
+            "wall_time_sec": round(self._wall_time(), 3),
+            "train_time_sec": round(self.train_time_sec, 3),
+            "samples_per_sec": (
+                round(self.train_samples / self.train_time_sec, 2) if self.train_time_sec else None
+            ),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "train": {key: list(values) for key, values in self.train.items()},
+            "val": {key: list(values) for key, values in self.val.items()},
+            "epochs_completed": self.epochs_completed,
+            "train_time_sec": self.train_time_sec,
+            "train_samples": self.train_samples,
+            "wall_time_sec": self._wall_time(),
+            "stopped_early": self.stopped_early,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train = {key: list(values) for key, values in state["train"].items()}
+        self.val = {key: list(values) for key, values in state["val"].items()}
+        self.epochs_completed = state["epochs_completed"]
+        self.train_time_sec = state["train_time_sec"]
+        self.train_samples = state["train_samples"]
+        self.stopped_early = state["stopped_early"]
+        self._wall_before_session = state["wall_time_sec"]
+        self._session_start = time.monotonic()

@@ -1,0 +1,63 @@
+"""A run's folder: where it is, what config it was started with, and atomic small writes."""
+
+import json
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from recipes.config import ConfigError
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_run_name(name: str) -> str | None:
+    """An error text for a bad run name, else None: 1-64 of letters, digits, '.', '_', '-',
+    not starting with '.' or '-' (so no '..', no '/', no hidden folders)."""
+    if name == "":
+        return None  # empty means "a timestamp"
+    if len(name) > 64:
+        return f"must be at most 64 characters, got {len(name)}"
+    if not RUN_NAME.fullmatch(name):
+        return (
+            f"{name!r} may only hold letters, digits, '.', '_', '-' "
+            "and must start with a letter or digit"
+        )
+    return None
+
+
+def resolve_run_dir(recipe: str, run_name: str, run_dir: str) -> Path:
+    """``run_dir`` when given, else ``runs/<recipe>/<run_name or a timestamp>``."""
+    if run_dir:
+        return Path(run_dir).expanduser()
+    return Path("runs") / recipe / (run_name or time.strftime("%Y%m%d-%H%M%S"))
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Temp file in the same folder, fsync, rename: readers never see half a file."""
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump(payload, file, indent=2, sort_keys=True)
+            file.write("\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
+
+
+def read_saved_config(run_dir: Path) -> dict[str, Any] | None:
+    """The ``config.json`` of an earlier start of this run, or None for a new run."""
+    path = run_dir / "config.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"{path} is unreadable ({error}); fix it or use another --run-name"
+        ) from None

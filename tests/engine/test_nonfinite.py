@@ -1,0 +1,136 @@
+"""The non-finite guard: bad steps are skipped and counted, persistent ones stop the run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ignite.engine import Events
+from torch import nn
+
+from engine import NonFiniteGradientError, TrainEvents, create_trainer
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def nan_loss_trainer(model: nn.Module, nan_iterations: set[int], **kwargs):
+    """A trainer whose forward hook returns a NaN loss at the given engine iterations."""
+
+    def forward(model: nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        return loss * float("nan") if trainer.state.iteration in nan_iterations else loss
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = create_trainer(model, optimizer, forward=forward, **kwargs)
+    return trainer
+
+
+def record_weights(trainer) -> list[list[torch.Tensor]]:
+    """Weights at the start (index 0) and after every iteration (index i for iteration i)."""
+    snapshots = [[p.detach().clone() for p in trainer.model.parameters()]]
+    trainer.add_event_handler(
+        Events.ITERATION_COMPLETED,
+        lambda e: snapshots.append([p.detach().clone() for p in e.model.parameters()]),
+    )
+    return snapshots
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def all_finite(model: nn.Module) -> bool:
+    return all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_nan_loss_step_is_skipped_counted_and_training_continues(precision, make_mlp, make_batches):
+    trainer = nan_loss_trainer(make_mlp(), {5}, precision=precision)
+    weights = record_weights(trainer)
+    skipped_at = []
+    trainer.add_event_handler(
+        TrainEvents.STEP_SKIPPED, lambda e: skipped_at.append(e.state.iteration)
+    )
+    trainer.run(make_batches(10))
+
+    assert same(weights[5], weights[4])  # iteration 5 left the weights untouched
+    assert not any(same(weights[i], weights[i - 1]) for i in (1, 2, 3, 4, 6, 7, 8, 9, 10))
+    assert skipped_at == [5]
+    assert trainer.state.skipped_steps == 1
+    assert trainer.state.optimizer_step == 9
+    assert trainer.state.consecutive_skips == 0  # the next applied step reset it
+    assert all_finite(trainer.model)
+
+
+def test_nan_micro_batch_skips_its_whole_window(make_mlp, make_batches):
+    trainer = nan_loss_trainer(make_mlp(), {5}, accum_steps=3)
+    weights = record_weights(trainer)
+    trainer.run(make_batches(10))  # windows: iterations 1-3, 4-6, 7-9, 10
+
+    assert same(weights[6], weights[3])
+    assert not same(weights[9], weights[6]) and not same(weights[10], weights[9])
+    assert (trainer.state.optimizer_step, trainer.state.skipped_steps) == (3, 1)
+    assert all_finite(trainer.model)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_max_consecutive_skips_raises_naming_the_first_bad_parameter(
+    precision, make_mlp, make_batches
+):
+    trainer = nan_loss_trainer(make_mlp(), {3, 4, 5}, precision=precision, max_consecutive_skips=3)
+    weights = record_weights(trainer)
+    with pytest.raises(NonFiniteGradientError, match=r"'0\.weight' at iteration 3") as error:
+        trainer.run(make_batches(10))
+
+    assert "3 consecutive" in str(error.value)
+    assert trainer.state.iteration == 5
+    assert trainer.state.skipped_steps == 3
+    assert all(same(w, weights[2]) for w in weights[3:])  # iterations 3 and 4 stepped nothing
+    assert same([p.detach() for p in trainer.model.parameters()], weights[2])
+    assert all_finite(trainer.model)
+
+
+def test_an_applied_step_resets_the_consecutive_count(make_mlp, make_batches):
+    trainer = nan_loss_trainer(make_mlp(), {2, 3, 5, 6}, max_consecutive_skips=3)
+    trainer.run(make_batches(10))  # never 3 in a row: no error
+
+    assert trainer.state.skipped_steps == 4
+    assert trainer.state.optimizer_step == 6
+    assert all_finite(trainer.model)
+
+
+def test_non_finite_raise_stops_at_the_first_bad_step(make_mlp, make_batches):
+    trainer = nan_loss_trainer(make_mlp(), {5}, non_finite="raise")
+    weights = record_weights(trainer)
+    with pytest.raises(NonFiniteGradientError, match=r"'0\.weight' at iteration 5"):
+        trainer.run(make_batches(10))
+
+    assert trainer.state.iteration == 5
+    assert same([p.detach() for p in trainer.model.parameters()], weights[4])
+    assert all_finite(trainer.model)
+
+
+def test_fp16_scaler_back_off_is_skipped_but_never_raises(make_mlp, make_batches):
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = create_trainer(
+        model, optimizer, F.cross_entropy, precision="fp16", max_consecutive_skips=2
+    )
+    initial_scale = 2.0**30  # finite loss, but the scaled gradients overflow fp16 (max 65504)
+    trainer.scaler.load_state_dict({**trainer.scaler.state_dict(), "scale": initial_scale})
+    skipped_at, skipped_scales = [], []
+
+    @trainer.on(TrainEvents.STEP_SKIPPED)
+    def remember(engine) -> None:
+        skipped_at.append(engine.state.iteration)
+        skipped_scales.append(engine.state.output["scale"].clone())
+
+    trainer.run(make_batches(10), max_epochs=2)
+
+    skipped = trainer.state.skipped_steps
+    assert skipped_at[:3] == [1, 2, 3]  # more than max_consecutive_skips in a row
+    assert len(skipped_at) == skipped
+    assert trainer.state.consecutive_skips == 0  # back-off skips do not count towards the limit
+    assert [float(s) for s in skipped_scales] == [initial_scale / 2**i for i in range(skipped)]
+    assert trainer.scaler.get_scale() < initial_scale
+    assert trainer.state.optimizer_step == 20 - skipped > 0  # once the scale fits, steps apply
+    assert all_finite(model)
