@@ -1,0 +1,238 @@
+"""CIFAR-10 as uint8 tensors: from image folders or the official python batches, or synthetic.
+
+Everything here returns a ``CifarArrays`` held in memory (60k images are 184 MB
+as uint8); ``recipes.data_batches`` turns it into batches on the device.
+
+>>> arrays = make_synthetic(n_train=100, n_test=20, seed=0)
+>>> arrays.train_images.shape, arrays.train_images.dtype
+(torch.Size([100, 3, 32, 32]), torch.uint8)
+>>> small = subset(arrays, train_subset=50, val_subset=None)
+>>> len(small.train_labels), len(holdout_validation(arrays, 0.1).test_labels)
+(50, 10)
+"""
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torchvision
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+
+IMAGE_SHAPE = (3, 32, 32)
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+PYTHON_BATCHES_FOLDER = "cifar-10-batches-py"  # torchvision's layout under data_dir
+DECODE_CHUNK = 1024  # JPEGs decoded per batched decode_jpeg call (batched is ~3x faster)
+
+
+class DataError(RuntimeError):
+    """The data set is missing, incomplete or has an unreadable file (the message says which)."""
+
+
+@dataclass(frozen=True)
+class CifarArrays:
+    """Images uint8 [N,3,32,32], labels int64 [N]; ``classes[label]`` is the class name."""
+
+    train_images: torch.Tensor
+    train_labels: torch.Tensor
+    test_images: torch.Tensor
+    test_labels: torch.Tensor
+    classes: list[str]
+
+
+def load_cifar10(data_dir: Path, download: bool = True) -> CifarArrays:
+    """Load CIFAR-10 from ``data_dir``, which holds either image folders
+    ``train/<class>/*.{jpg,png}`` and ``test/<class>/*`` or torchvision's
+    ``cifar-10-batches-py/``. With neither, and ``download``, fetch the python
+    batches into ``data_dir``. Raises ``DataError`` naming what is missing or broken.
+
+    Image folders are read in round-robin class order (the first image of every
+    class, then the second, ...), so any prefix or suffix of the training set
+    is class-balanced: see ``subset`` and ``holdout_validation``.
+    """
+    data_dir = Path(data_dir)
+    if (data_dir / PYTHON_BATCHES_FOLDER).is_dir():
+        return _load_python_batches(data_dir)
+    if (data_dir / "train").is_dir() and (data_dir / "test").is_dir():
+        return _load_image_folders(data_dir)
+    ways = (
+        f"put image folders at {data_dir}/train/<class>/*.jpg and {data_dir}/test/<class>/*.jpg, "
+        f"or the official python batches at {data_dir}/{PYTHON_BATCHES_FOLDER}/, "
+        "or run with network access so torchvision can download them"
+    )
+    if not download:
+        raise DataError(f"no CIFAR-10 found in {data_dir} (download disabled): {ways}")
+    try:
+        download_python_batches(data_dir)
+    except Exception as error:  # any failure to fetch means the same thing to the user
+        raise DataError(f"no CIFAR-10 found in {data_dir} and the download failed "
+                        f"({type(error).__name__}: {error}): {ways}") from error
+    return _load_python_batches(data_dir)
+
+
+def download_python_batches(data_dir: Path) -> None:
+    """Fetch and unpack the official python batches into ``data_dir`` (needs network)."""
+    torchvision.datasets.CIFAR10(root=str(data_dir), train=True, download=True)
+
+
+def _load_python_batches(data_dir: Path) -> CifarArrays:
+    def split(train: bool) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        try:
+            dataset = torchvision.datasets.CIFAR10(root=str(data_dir), train=train, download=False)
+        except Exception as error:  # torchvision raises RuntimeError or unpickling errors
+            raise DataError(f"unreadable CIFAR-10 python batches in "
+                            f"{data_dir / PYTHON_BATCHES_FOLDER}: {error}") from error
+        images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW
+        return images, torch.tensor(dataset.targets, dtype=torch.int64), list(dataset.classes)
+
+    train_images, train_labels, classes = split(train=True)
+    test_images, test_labels, _ = split(train=False)
+    return CifarArrays(train_images, train_labels, test_images, test_labels, classes)
+
+
+def _load_image_folders(data_dir: Path) -> CifarArrays:
+    train_files, classes = _list_split(data_dir / "train")
+    test_files, test_classes = _list_split(data_dir / "test")
+    if test_classes != classes:
+        raise DataError(
+            f"class folders differ between {data_dir / 'train'} and {data_dir / 'test'}: "
+            f"only in train {sorted(set(classes) - set(test_classes))}, "
+            f"only in test {sorted(set(test_classes) - set(classes))}"
+        )
+    train_images = _decode_files([path for path, _ in train_files])
+    test_images = _decode_files([path for path, _ in test_files])
+    return CifarArrays(
+        train_images,
+        torch.tensor([label for _, label in train_files], dtype=torch.int64),
+        test_images,
+        torch.tensor([label for _, label in test_files], dtype=torch.int64),
+        classes,
+    )
+
+
+def _list_split(split_dir: Path) -> tuple[list[tuple[Path, int]], list[str]]:
+    """(file, label) pairs in round-robin class order, and the sorted class names."""
+    classes = sorted(
+        d.name for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith(".")
+    )
+    if not classes:
+        raise DataError(f"no class folders in {split_dir}: expected {split_dir}/<class>/*.jpg")
+    per_class = []
+    for name in classes:
+        files = sorted(p for p in (split_dir / name).iterdir()
+                       if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
+        if not files:
+            raise DataError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {split_dir / name}")
+        per_class.append(files)
+    ordered = [
+        (files[k], label)
+        for k in range(max(len(files) for files in per_class))
+        for label, files in enumerate(per_class)
+        if k < len(files)
+    ]
+    return ordered, classes
+
+
+def _decode_files(paths: list[Path]) -> torch.Tensor:
+    """Decode image files into one uint8 [N,3,32,32] tensor, JPEGs in batches."""
+    images = torch.empty((len(paths), *IMAGE_SHAPE), dtype=torch.uint8)
+    for start in range(0, len(paths), DECODE_CHUNK):
+        chunk = paths[start:start + DECODE_CHUNK]
+        encoded = [_read_bytes(path) for path in chunk]
+        is_jpeg = [data[:2].tolist() == [0xFF, 0xD8] for data in encoded]
+        try:  # fast path: one batched call; on any error fall back to per-file to name the file
+            if not all(is_jpeg):
+                raise ValueError("not all JPEG")
+            decoded = decode_jpeg(encoded, mode=ImageReadMode.RGB)
+        except (RuntimeError, ValueError):
+            decoded = [_decode_one(path, data) for path, data in zip(chunk, encoded, strict=True)]
+        for offset, (path, image) in enumerate(zip(chunk, decoded, strict=True)):
+            if tuple(image.shape) != IMAGE_SHAPE:
+                raise DataError(
+                    f"image {path} has shape {tuple(image.shape)}, expected {IMAGE_SHAPE}"
+                )
+            images[start + offset] = image
+    return images
+
+
+def _read_bytes(path: Path) -> torch.Tensor:
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise DataError(f"cannot read image {path}: {error}") from error
+    if not data:
+        raise DataError(f"image {path} is empty")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _decode_one(path: Path, data: torch.Tensor) -> torch.Tensor:
+    try:
+        return decode_image(data, mode=ImageReadMode.RGB)
+    except RuntimeError as error:
+        raise DataError(f"cannot decode image {path}: {error}") from error
+
+
+def make_synthetic(n_train: int, n_test: int, seed: int, num_classes: int = 10) -> CifarArrays:
+    """Learnable stand-in for CIFAR-10, a pure function of ``seed``: each class has its own
+    mean colour and a smooth pattern (4x4 upsampled, so it survives crops and flips
+    roughly), and every image is its class mean plus pixel noise. Classes are balanced."""
+    for name, value in (("n_train", n_train), ("n_test", n_test), ("num_classes", num_classes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    generator = torch.Generator().manual_seed(seed)
+    colours = torch.rand(num_classes, 3, 1, 1, generator=generator)
+    patterns = torch.rand(num_classes, 3, 4, 4, generator=generator)
+    patterns = torch.nn.functional.interpolate(patterns, size=IMAGE_SHAPE[1:], mode="bilinear")
+    class_means = 255 * (0.25 + 0.3 * colours + 0.2 * patterns)  # in [64, 191]: room for noise
+
+    def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = (torch.arange(n) % num_classes)[torch.randperm(n, generator=generator)]
+        noise = 40 * torch.randn(n, *IMAGE_SHAPE, generator=generator)  # pixel std, 0-255 scale
+        images = (class_means[labels] + noise).round().clamp(0, 255).to(torch.uint8)
+        return images, labels
+
+    train_images, train_labels = draw(n_train)
+    test_images, test_labels = draw(n_test)
+    classes = [f"class{label}" for label in range(num_classes)]
+    return CifarArrays(train_images, train_labels, test_images, test_labels, classes)
+
+
+def subset(arrays: CifarArrays, train_subset: int | None, val_subset: int | None) -> CifarArrays:
+    """The first ``train_subset`` training and first ``val_subset`` evaluation (test_*)
+    samples; ``None`` keeps a split whole."""
+    for name, value in (("train_subset", train_subset), ("val_subset", val_subset)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+    train_end = len(arrays.train_labels) if train_subset is None else train_subset
+    test_end = len(arrays.test_labels) if val_subset is None else val_subset
+    return replace(
+        arrays,
+        train_images=arrays.train_images[:train_end],
+        train_labels=arrays.train_labels[:train_end],
+        test_images=arrays.test_images[:test_end],
+        test_labels=arrays.test_labels[:test_end],
+    )
+
+
+def holdout_validation(arrays: CifarArrays, val_fraction: float) -> CifarArrays:
+    """Hold out the last ``val_fraction`` of the training set as the evaluation split
+    (returned in test_*; the real test set is dropped), so tuning never sees the test set."""
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float) or not (
+        0 < val_fraction < 1
+    ):
+        raise ValueError(f"val_fraction must be a number in (0, 1), got {val_fraction!r}")
+    n_train = len(arrays.train_labels)
+    n_val = round(n_train * val_fraction)
+    if not 1 <= n_val < n_train:
+        raise ValueError(
+            f"val_fraction {val_fraction} of {n_train} training samples leaves {n_val} for "
+            "validation: need at least 1 and fewer than all"
+        )
+    cut = n_train - n_val
+    return replace(
+        arrays,
+        train_images=arrays.train_images[:cut],
+        train_labels=arrays.train_labels[:cut],
+        test_images=arrays.train_images[cut:],
+        test_labels=arrays.train_labels[cut:],
+    )

@@ -1,0 +1,248 @@
+"""Batches for an Ignite ``Engine`` from uint8 images held on the device.
+
+The whole uint8 set moves to the device once; each batch is gathered by index,
+augmented (random crop + horizontal flip as one batched gather), converted to
+float and normalised there: no per-sample Python work and no worker processes.
+
+Randomness is a pure function of ``(seed, epoch, index)`` (DESIGN.md,
+"Randomness and exact resume"): the epoch's order comes from a generator
+seeded with ``(seed, epoch)`` and batch ``i``'s augmentation from one seeded
+with ``(seed, epoch, i)``. So a resumed run skips straight to its batch, and
+``world_size`` processes together see exactly the batches of one process.
+"""
+
+from collections.abc import Iterator
+
+import torch
+from ignite.engine import Engine
+
+# Per-channel statistics of the CIFAR-10 training set, on the 0-1 pixel scale.
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+_MASK64 = (1 << 64) - 1
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def mix_seed(*values: int) -> int:
+    """One generator seed (63-bit) from several ints, by chained splitmix64 steps:
+    nearby tuples such as (seed, epoch) and (seed, epoch + 1) give unrelated seeds,
+    and unlike ``hash()`` the result is the same in every process and Python run."""
+    state = 0
+    for value in values:
+        state = (state + value + 0x9E3779B97F4A7C15) & _MASK64
+        state = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        state = ((state ^ (state >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state ^= state >> 31
+    return state >> 1
+
+
+def _check_images(images: torch.Tensor, labels: torch.Tensor) -> None:
+    if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(
+            f"images must be uint8 [N,3,H,W], got {images.dtype} {tuple(images.shape)}"
+        )
+    if labels.shape != (images.shape[0],):
+        raise ValueError(f"labels must have shape ({images.shape[0]},), got {tuple(labels.shape)}")
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+
+
+class _Normalise:
+    """uint8 [B,3,H,W] -> float (x/255 - mean)/std, in the chosen memory format."""
+
+    def __init__(self, mean, std, device: torch.device, channels_last: bool) -> None:
+        std_t = torch.tensor(std, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+        mean_t = torch.tensor(mean, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+        self.scale, self.shift = 1 / (255 * std_t), -mean_t / std_t
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        x = torch.addcmul(self.shift, images.float(), self.scale)
+        return x.contiguous(memory_format=self.memory_format)
+
+
+class TrainBatches:
+    """Shuffled, augmented training batches; ``len()`` is the batches per epoch.
+
+    ``batch_size`` is the global batch: rank ``r`` of ``world_size`` yields the
+    ``r``-th contiguous slice of each global batch (``batch_size / world_size``
+    samples), augmented with parameters drawn for the whole global batch.
+    Augmentation: a random crop of the image reflect-padded by ``crop_padding``
+    pixels (a random translate by up to that many pixels; 0 disables it) and a
+    horizontal flip with probability 1/2.
+
+    Bind it to the engine it feeds (``bind(engine)``) and each epoch reads its
+    number and starting batch from ``engine.state``: after
+    ``engine.load_state_dict`` to a mid-epoch iteration, ``run`` continues with
+    exactly the batches the uninterrupted run would have seen next. Unbound,
+    successive ``iter()`` calls give epochs 1, 2, 3, ...
+
+    >>> images = torch.zeros(8, 3, 32, 32, dtype=torch.uint8)
+    >>> batches = TrainBatches(images, torch.arange(8), 4, seed=0)
+    >>> len(batches), [x.shape for x, y in batches]
+    (2, [torch.Size([4, 3, 32, 32]), torch.Size([4, 3, 32, 32])])
+    >>> trainer = Engine(lambda engine, batch: None)
+    >>> _ = trainer.run(batches.bind(trainer), max_epochs=2)
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        batch_size: int,
+        *,
+        seed: int,
+        device: str | torch.device = "cpu",
+        augment: bool = True,
+        crop_padding: int = 4,
+        drop_last: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        channels_last: bool = False,
+        mean: tuple[float, float, float] = CIFAR10_MEAN,
+        std: tuple[float, float, float] = CIFAR10_STD,
+    ) -> None:
+        _check_images(images, labels)
+        _check_rank(rank, world_size)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if batch_size % world_size:
+            raise ValueError(
+                f"batch_size {batch_size} (global) must be divisible by world_size {world_size}"
+            )
+        if not drop_last and world_size > 1:
+            raise ValueError(
+                f"drop_last=False needs world_size 1, got world_size {world_size}: a short last "
+                "global batch cannot be split evenly across ranks"
+            )
+        if drop_last and batch_size > len(labels):
+            raise ValueError(
+                f"batch_size {batch_size} exceeds the {len(labels)} samples: with drop_last "
+                "an epoch would have no batch"
+            )
+        size = min(images.shape[2:])
+        if isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or not (
+            0 <= crop_padding < size
+        ):
+            raise ValueError(f"crop_padding must be an int in [0, {size}), got {crop_padding!r}")
+        self.device = torch.device(device)
+        self.images = images.to(self.device)
+        self.labels = labels.to(self.device, dtype=torch.int64)
+        self.batch_size, self.seed, self.augment = batch_size, seed, augment
+        self.crop_padding, self.drop_last = crop_padding, drop_last
+        self.rank, self.world_size = rank, world_size
+        self.normalise = _Normalise(mean, std, self.device, channels_last)
+        self.engine: Engine | None = None
+        self._next_epoch = 1  # used only while unbound
+
+    def bind(self, engine: Engine) -> "TrainBatches":
+        """Read epoch and position from ``engine.state`` at the start of each epoch."""
+        self.engine = engine
+        return self
+
+    def __len__(self) -> int:
+        n = len(self.labels)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        # A generator: this body runs at the first next(), after Ignite has advanced
+        # state.epoch (1-based) for the new epoch; state.iteration counts completed steps.
+        if self.engine is None:
+            epoch, start = self._next_epoch, 0
+            self._next_epoch += 1
+        else:
+            state = self.engine.state
+            if state.epoch_length != len(self):
+                raise ValueError(
+                    f"the engine's epoch_length {state.epoch_length} must equal len(batches) "
+                    f"{len(self)} for the epoch position to be known"
+                )
+            epoch, start = state.epoch, state.iteration - (state.epoch - 1) * len(self)
+        yield from self.epoch_batches(epoch, start)
+
+    def epoch_batches(self, epoch: int, start: int = 0) -> Iterator[Batch]:
+        """Batches ``start, start+1, ...`` of epoch ``epoch`` (1-based), this rank's slice."""
+        order_generator = torch.Generator(self.device).manual_seed(mix_seed(self.seed, epoch))
+        order = torch.randperm(len(self.labels), generator=order_generator, device=self.device)
+        local = self.batch_size // self.world_size
+        for index in range(start, len(self)):
+            global_indices = order[index * self.batch_size:(index + 1) * self.batch_size]
+            lo, hi = self.rank * local, (self.rank + 1) * local
+            images = self.images[global_indices[lo:hi]]
+            if self.augment:
+                images = self._augment(images, epoch, index, len(global_indices), lo)
+            yield self.normalise(images), self.labels[global_indices[lo:hi]]
+
+    def _augment(
+        self, images: torch.Tensor, epoch: int, index: int, global_size: int, lo: int
+    ) -> torch.Tensor:
+        """Crop and flip as one gather: output pixel (y, x) of image b reads source pixel
+        (reflect(y + dy_b - p), reflect(x + dx_b - p)), with x mirrored when b flips."""
+        generator = torch.Generator(self.device).manual_seed(mix_seed(self.seed, epoch, index))
+        p, (n, c, h, w) = self.crop_padding, images.shape
+        # Parameters for the whole global batch, so every rank slices the same draw.
+        shifts = torch.randint(0, 2 * p + 1, (global_size, 2), generator=generator,
+                               device=self.device)[lo:lo + n]
+        flips = torch.rand(global_size, generator=generator, device=self.device)[lo:lo + n] < 0.5
+        rows = _reflect(torch.arange(h, device=self.device) + shifts[:, :1] - p, h)  # [n,h]
+        cols = torch.arange(w, device=self.device).expand(n, w)
+        cols = _reflect(torch.where(flips[:, None], cols.flip(1), cols) + shifts[:, 1:] - p, w)
+        source = (rows[:, :, None] * w + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
+        return images.reshape(n, c, h * w).gather(2, source).view(n, c, h, w)
+
+
+def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:
+    """Reflect out-of-range pixel indices back into [0, size) (edge pixel not repeated)."""
+    index = index.abs()
+    return torch.where(index >= size, 2 * (size - 1) - index, index)
+
+
+class EvalBatches:
+    """Evaluation batches in data order, not augmented; each of ``world_size`` ranks takes
+    a contiguous block of the samples (sizes differ by at most one), so every sample is
+    evaluated exactly once with no padding. ``batch_size`` is per rank; the last batch
+    may be smaller.
+
+    >>> images = torch.zeros(10, 3, 32, 32, dtype=torch.uint8)
+    >>> [len(y) for _, y in EvalBatches(images, torch.arange(10), 4)]
+    [4, 4, 2]
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        batch_size: int,
+        *,
+        device: str | torch.device = "cpu",
+        rank: int = 0,
+        world_size: int = 1,
+        channels_last: bool = False,
+        mean: tuple[float, float, float] = CIFAR10_MEAN,
+        std: tuple[float, float, float] = CIFAR10_STD,
+    ) -> None:
+        _check_images(images, labels)
+        _check_rank(rank, world_size)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        n = len(labels)
+        lo, hi = rank * n // world_size, (rank + 1) * n // world_size
+        self.device = torch.device(device)
+        self.images = images[lo:hi].to(self.device)
+        self.labels = labels[lo:hi].to(self.device, dtype=torch.int64)
+        self.batch_size = batch_size
+        self.normalise = _Normalise(mean, std, self.device, channels_last)
+
+    def __len__(self) -> int:
+        return -(-len(self.labels) // self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for start in range(0, len(self.labels), self.batch_size):
+            end = start + self.batch_size
+            yield self.normalise(self.images[start:end]), self.labels[start:end]

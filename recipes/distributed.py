@@ -1,0 +1,155 @@
+"""One recipe on several processes, through ``ignite.distributed``: spawned here or by torchrun.
+
+``python -m recipes cifar --nproc 2`` spawns two processes
+(``idist.Parallel(backend, nproc_per_node=2)``); ``torchrun --nproc-per-node=2 -m recipes
+cifar`` starts them itself, and each one joins their group (``idist.Parallel(backend)``).
+Every process then runs the same training function on its slice of each global batch
+(DESIGN.md, "Randomness and exact resume"); only rank 0 writes.
+
+The processes end together: a run that stops with a non-zero code (non-finite gradients,
+a signal) waits at a barrier so that rank 0 finishes its summary first; a process that
+fails ends the others at once (the spawner or torchrun stops them), and the spawner exits
+with its code: 2 for a user error, which the failing process has already printed.
+"""
+
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ignite.distributed as idist
+import torch
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+from engine import resolve_device
+from recipes.config import ConfigError
+from recipes.errors import USER_ERRORS
+
+BACKENDS = ("auto", "gloo", "nccl")
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun for each process
+
+
+def launched_by_torchrun() -> bool:
+    """Whether a launcher (torchrun) started this process as one rank of a group."""
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How many processes run, on which backend; ``device`` is the type each one uses."""
+
+    world_size: int
+    backend: str
+    device: torch.device
+
+
+def plan_launch(nproc: int, backend: str, device: str, batch_size: int) -> Launch:
+    """Check ``--nproc``/``--backend``/``--device``/``--batch-size`` against each other and
+    against how this process was started; ``ConfigError`` naming the keys."""
+    try:
+        resolved = resolve_device(device)
+    except ValueError as error:
+        raise ConfigError(f"--device: {error}") from None
+    per_node = nproc
+    if launched_by_torchrun():
+        world_size, per_node = int(os.environ["WORLD_SIZE"]), int(
+            os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if nproc != 1:
+            raise ConfigError(f"--nproc {nproc}: torchrun already started {world_size} "
+                              "process(es) (WORLD_SIZE); use --nproc 1 under torchrun")
+    else:
+        world_size = nproc
+    if batch_size % world_size:
+        raise ConfigError(f"--batch-size {batch_size} (global) must be divisible by the "
+                          f"{world_size} processes")
+    if backend == "auto":
+        backend = "nccl" if resolved.type == "cuda" else "gloo"
+    if world_size > 1:
+        if backend == "nccl" and resolved.type != "cuda":
+            raise ConfigError("--backend nccl needs CUDA devices; processes on the CPU "
+                              "use --backend gloo (or auto)")
+        if resolved.type == "cuda" and resolved.index is not None:
+            raise ConfigError(f"--device {device}: each process uses cuda:<local rank>; "
+                              "use --device cuda or auto")
+        if resolved.type == "cuda" and per_node > torch.cuda.device_count():
+            raise ConfigError(f"{per_node} processes on this machine but only "
+                              f"{torch.cuda.device_count()} CUDA device(s): one process per GPU")
+        if backend not in idist.available_backends():
+            raise ConfigError(f"--backend {backend} is not available in this PyTorch build; "
+                              f"available: {', '.join(idist.available_backends())}")
+    return Launch(world_size, backend, torch.device(resolved.type))
+
+
+def process_device(device: str) -> torch.device:
+    """This process's device: ``device`` alone; in a group, cuda:<local rank> or the CPU."""
+    resolved = resolve_device(device)
+    if idist.get_world_size() == 1 or resolved.type != "cuda":
+        return resolved
+    return torch.device("cuda", idist.get_local_rank())
+
+
+def share_machine(device: torch.device) -> None:
+    """Inside a process of a group: only rank 0 prints and warns (the others would repeat
+    it; errors still reach stderr), and processes on the CPU split its cores instead of
+    each using all of them."""
+    if idist.get_world_size() == 1:
+        return
+    if idist.get_rank() > 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of this process)
+        logging.disable(logging.WARNING)
+    if device.type == "cpu":
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(max(1, cores // idist.get_nproc_per_node()))
+
+
+def exit_together(exit_code: int) -> int:
+    """Wait for every process before returning ``exit_code``: the spawner and torchrun end
+    all processes at the first non-zero exit, which must not cut rank 0's summary short."""
+    if idist.get_world_size() > 1:
+        idist.barrier()
+    return exit_code
+
+
+def spawn(fn: Callable[..., int], *args: Any, nproc: int, backend: str) -> int:
+    """Run ``fn(local_rank, *args) -> exit code`` in ``nproc`` new processes forming a
+    ``backend`` group on this machine; return the first non-zero exit code, or 0."""
+    # Ctrl-C reaches every process of the terminal's group: the trainers stop and save
+    # on their own, and this process keeps waiting to report how they ended.
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        port = int(os.environ.get("MASTER_PORT") or _free_port())
+        with idist.Parallel(backend=backend, nproc_per_node=nproc, master_port=port) as parallel:
+            parallel.run(_process_main, fn, args)
+    except ProcessRaisedException as failure:
+        print(f"error: process {failure.error_index} failed:{failure.msg}", file=sys.stderr)
+        return 1
+    except ProcessExitedException as failure:
+        if failure.signal_name is None:
+            return failure.exit_code  # the process printed its own error
+        print(f"error: {failure}", file=sys.stderr)
+        return 128 - failure.exit_code  # killed by a signal: exit_code is minus its number
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 0
+
+
+def _process_main(local_rank: int, fn: Callable[..., int], args: tuple[Any, ...]) -> None:
+    try:
+        exit_code = fn(local_rank, *args)
+    except USER_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        exit_code = 2
+    if exit_code:
+        sys.exit(exit_code)
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now, for the group's rendezvous (several runs at once
+    would collide on a fixed one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
