@@ -26,6 +26,13 @@ test-slow: $(STAMP)
 test-reliability: $(STAMP)
 	$(PY) -m pytest -q -m "reliability or not reliability" tests/reliability
 
+# Writes docs/benchmarks.md; about 10-15 minutes on a quiet 2-core CPU, so not part of `make test`.
+# Installs the bench extra (PyTorch Lightning, one of the compared arms) when it is missing.
+bench: $(STAMP)
+	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('pytorch_lightning') is None)" \
+		|| $(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) -m benchmarks --out docs/benchmarks.md
+
 lr-plot: $(STAMP)
 	$(PY) -m recipes.lr_plot --out runs/lr_schedules.png
 

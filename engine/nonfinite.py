@@ -1,5 +1,6 @@
 """The skip decision for a window whose gradient norm is not finite."""
 
+import ignite.distributed as idist
 import torch
 from ignite.engine import Engine
 from torch import nn
@@ -52,11 +53,14 @@ class NonFiniteGuard:
         bad_parameter = self._first_bad_parameter()
         # The scaler backs off only when a gradient itself is not finite (its found_inf);
         # a finite set of gradients whose total norm overflowed is not its business.
+        loss_finite = bool(torch.isfinite(window_loss))
+        if idist.get_world_size() > 1:
+            # Every rank is in this branch together (DDP all-reduced the gradients, so the
+            # norm agrees), but losses are per rank: agree on them, or the ranks would
+            # disagree on the back-off and one would raise while the others wait.
+            loss_finite = bool(idist.all_reduce(int(loss_finite), op="MIN"))
         is_scaler_backoff = (
-            scale is not None
-            and bad_parameter is not None
-            and bool(torch.isfinite(window_loss))
-            and float(scale) > 1.0
+            scale is not None and bad_parameter is not None and loss_finite and float(scale) > 1.0
         )
         if is_scaler_backoff:
             return False
@@ -76,7 +80,8 @@ class NonFiniteGuard:
         return False
 
     def _first_bad_parameter(self) -> str | None:
-        for name, param in self.model.named_parameters():
+        model = getattr(self.model, "module", self.model)  # DDP's names without "module."
+        for name, param in model.named_parameters():
             if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
                 return name
         return None

@@ -4,6 +4,7 @@ import signal
 from collections.abc import Callable
 from types import FrameType
 
+import ignite.distributed as idist
 from ignite.engine import Events
 
 from engine import Trainer
@@ -18,7 +19,8 @@ class GracefulStop:
     to commit a ``last`` checkpoint, then ``terminate()`` the trainer.
 
     Checks at the trainer's ``Events.ITERATION_COMPLETED`` (only at the end of a
-    window) and ``Events.EPOCH_COMPLETED`` (after the epoch's evaluation and
+    window; under several processes with one small all-reduce there, so every rank
+    stops after the same step) and ``Events.EPOCH_COMPLETED`` (after the epoch's evaluation and
     checkpoint). A second signal while waiting restores Python's default
     behaviour, so pressing Ctrl-C twice stops at once. ``exit_code`` is 143 or 130
     once a signal was handled, else None. Call ``restore()`` when the run is over.
@@ -64,11 +66,22 @@ class GracefulStop:
               "(send it again to stop at once)", flush=True)
 
     def _on_iteration(self, trainer: Trainer) -> None:
-        if self.received is not None and window_position(trainer.state, trainer.accum_steps)[1]:
+        if window_position(trainer.state, trainer.accum_steps)[1]:
             self._stop(trainer)
 
     def _stop(self, trainer: Trainer) -> None:
-        if self.received is None or trainer.should_terminate:
+        if trainer.should_terminate or not self._requested():
             return
         self.save(trainer)
         trainer.terminate()
+
+    def _requested(self) -> bool:
+        """Whether any process got a signal. In a process group every rank calls this at
+        the same points, so the collective pairs up and all ranks stop after the same step
+        (a rank that stopped alone would leave the others waiting in the next all-reduce)."""
+        if idist.get_world_size() == 1:
+            return self.received is not None
+        signum = idist.all_reduce(int(self.received or 0), op="MAX")
+        if signum and self.received is None:
+            self.received = signal.Signals(signum)  # stopping because another rank was told to
+        return bool(signum)

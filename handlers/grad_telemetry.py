@@ -188,7 +188,7 @@ class GradientTelemetry:
     def _measure_layers(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if (self._trainer.state.optimizer_step + 1) % self.layer_every:
             return  # the step counter moves after optimizer.step(): this is step counter + 1
-        model = self._trainer.model
+        model = getattr(self._trainer.model, "module", self._trainer.model)  # DDP: no "module."
         named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
         if not named:
             return

@@ -1,0 +1,110 @@
+"""Run every benchmark and write the report: ``python -m benchmarks [--quick] [--out PATH]``.
+
+Exit status 0; 1 when an arm's loss parity failed (the report is still written, with the
+failures); 2 when PyTorch Lightning is missing (``pip install -e '.[bench]'``).
+"""
+
+import argparse
+import importlib.util
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import data, epoch, overhead, syncs
+from benchmarks.machine import describe_machine, load_average
+from benchmarks.plan import FULL, QUICK
+from benchmarks.report import document
+from benchmarks.workloads import cifar_workload, tiny_workload
+from recipes.cifar import Config
+
+DOC_OUT = Path("docs/benchmarks.md")
+SMOKE_OUT = Path("runs/benchmarks-smoke.md")  # runs/ is git-ignored: smoke numbers stay out
+SYNC_STEP_ITERATIONS = 8  # two windows of 4 micro-batches
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: tiny sizes, seconds; proves the code runs")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"report path (default {DOC_OUT}; {SMOKE_OUT} with --quick)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for every arm (default: torch's, "
+                             "normally the core count)")
+    args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if importlib.util.find_spec("pytorch_lightning") is None:
+        print("error: PyTorch Lightning is not installed; run `make bench` or "
+              "`pip install -e '.[dev,bench]'`", file=sys.stderr)
+        return 2
+    plan = QUICK if args.quick else FULL
+    out = args.out or (SMOKE_OUT if args.quick else DOC_OUT)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    load_before, started = load_average(), time.perf_counter()
+
+    def log(line: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f}s] {line}", file=sys.stderr, flush=True)
+
+    log(f"plan {plan.name}, {threads} threads, report -> {out}")
+    log("1/4 engine overhead: tiny model")
+    tiny = overhead.measure(tiny_workload(plan.tiny_warmup, plan.tiny_timed),
+                            plan.tiny_repeats, threads, log=log)
+    log("1/4 engine overhead: CIFAR default model")
+    cifar = overhead.measure(
+        cifar_workload(plan.cifar_warmup, plan.cifar_timed, plan.cifar_batch),
+        plan.cifar_repeats, threads, log=log)
+
+    log("2/4 host syncs")
+    config = Config()
+    recipe_iterations = config.log_every * 10 + config.log_every // 2  # one layer-norm report
+    with tempfile.TemporaryDirectory(prefix="bench-syncs-") as run_dir:
+        scenarios = [
+            syncs.step_only(tiny_workload(0, SYNC_STEP_ITERATIONS), accum_steps=1),
+            syncs.step_only(tiny_workload(0, SYNC_STEP_ITERATIONS), accum_steps=4),
+            syncs.with_recipe_handlers(tiny_workload(0, recipe_iterations), Path(run_dir),
+                                       config),
+            syncs.ignite_stock(tiny_workload(0, SYNC_STEP_ITERATIONS)),
+        ]
+
+    log("4/4 epoch time (also the data-wait share for section 3)")
+    epochs = epoch.measure(plan.epoch_batch, plan.epoch_warmup, plan.epoch_timed,
+                           plan.epoch_eval_images, plan.epoch_repeats, plan.epoch_train_images,
+                           log=log)
+    log("3/4 data pipelines")
+    source = epoch.synthetic_images(plan.data_batch * (plan.data_timed + 1))
+    pipelines = data.measure(*source, plan.data_batch, plan.data_timed, plan.data_repeats, log=log)
+
+    cifar_note = ("Synthetic CIFAR-shaped images (`make_synthetic`), cropped, flipped and "
+                  "normalised by `TrainBatches` before timing, held in memory.")
+    sections = [
+        overhead.render(tiny, cifar, cifar_note),
+        syncs.render(scenarios),
+        data.render(pipelines, epochs.fetch_shares(), threads),
+        epoch.render(epochs),
+    ]
+    wall = time.perf_counter() - started
+    command = shlex.join(["python", "-m", "benchmarks", *argv])
+    report = document(describe_machine(), command, plan.name, load_before, load_average(),
+                      wall, sections)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report)
+    log(f"wrote {out} ({wall / 60:.1f} min)")
+    failures = overhead.parity_failures(tiny) + overhead.parity_failures(cifar)
+    for failure in failures:
+        print(f"error: loss parity: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

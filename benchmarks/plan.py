@@ -1,0 +1,56 @@
+"""How big each benchmark is: the full run (``make bench``) and a smoke run (``--quick``).
+
+The full plan is sized for about 10-15 minutes on a quiet 2-core CPU, where one training
+iteration of the CIFAR default model (batch 256, fp32) takes about 1.5-2 s (the recipe's own
+run logged 1.9 s per iteration on a loaded machine): section 1 trains 5 arms x 5 repeats x
+10 iterations of it (about 7 min), section 4 2 layouts x 3 repeats x 8 plus a slice of
+evaluation (about 2 min); the tiny model, the sync counts and the data pipelines take
+about 2 min together.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    # Section 1, tiny model
+    tiny_warmup: int
+    tiny_timed: int
+    tiny_repeats: int
+    # Section 1, CIFAR default model
+    cifar_batch: int
+    cifar_warmup: int
+    cifar_timed: int
+    cifar_repeats: int
+    # Section 3
+    data_batch: int
+    data_timed: int
+    data_repeats: int
+    # Section 4
+    epoch_batch: int
+    epoch_warmup: int
+    epoch_timed: int
+    epoch_repeats: int
+    epoch_eval_images: int
+    epoch_train_images: int
+
+
+FULL = Plan(
+    name="full",
+    tiny_warmup=50, tiny_timed=2000, tiny_repeats=7,
+    cifar_batch=256, cifar_warmup=2, cifar_timed=8, cifar_repeats=5,
+    data_batch=256, data_timed=16, data_repeats=5,
+    epoch_batch=256, epoch_warmup=2, epoch_timed=6, epoch_repeats=3, epoch_eval_images=256,
+    epoch_train_images=50_000,
+)
+
+# Proves every code path runs, in seconds; its numbers mean nothing.
+QUICK = Plan(
+    name="quick",
+    tiny_warmup=3, tiny_timed=10, tiny_repeats=2,
+    cifar_batch=8, cifar_warmup=1, cifar_timed=1, cifar_repeats=1,
+    data_batch=32, data_timed=2, data_repeats=1,
+    epoch_batch=8, epoch_warmup=1, epoch_timed=1, epoch_repeats=1, epoch_eval_images=8,
+    epoch_train_images=512,
+)

@@ -1,0 +1,55 @@
+import pytest
+
+from benchmarks import overhead
+from benchmarks.arms import ARMS, ArmResult, hand_loop
+from benchmarks.workloads import Workload, tiny_workload
+
+
+def result(losses: dict[str, list[float]], seconds: dict[str, list[float]] | None = None):
+    seconds = seconds or {arm: [1.0] * len(values) for arm, values in losses.items()}
+    runs = {arm: [ArmResult(s, 0.01, loss) for s, loss in zip(seconds[arm], values, strict=True)]
+            for arm, values in losses.items()}
+    return overhead.OverheadResult("tiny", 32, 2, 100, runs)
+
+
+def test_parity_holds_within_the_tolerance():
+    same = result({"hand": [1.0, 1.0], "trainer": [1.0 + 1e-6, 1.0]})
+    assert overhead.parity_failures(same) == []
+
+
+def test_parity_fails_for_the_arm_and_repeat_that_diverged():
+    diverged = result({"hand": [1.0, 1.0], "trainer": [1.0, 1.0], "lightning": [1.0, 1.001]})
+    failures = overhead.parity_failures(diverged)
+    assert len(failures) == 1 and "lightning repeat 2" in failures[0]
+    assert overhead.parity_failures(result({"hand": [1.0], "x": [float("nan")]}))
+
+
+def test_one_skipped_step_breaks_parity(monkeypatch):
+    def skips_last_step(workload: Workload) -> ArmResult:
+        fewer = Workload(workload.name, workload.template, workload.make_optimizer,
+                         workload.loss_fn, workload.batches[:-1], workload.probe,
+                         workload.warmup, workload.batch_size)
+        return hand_loop(fewer)
+
+    monkeypatch.setitem(ARMS, "skips_last_step", skips_last_step)
+    workload = tiny_workload(warmup=2, timed=8)
+    measured = overhead.measure(workload, repeats=1, threads=1, log=lambda line: None,
+                                arms=("hand", "trainer", "skips_last_step"))
+    failures = overhead.parity_failures(measured)
+    assert len(failures) == 1 and "skips_last_step" in failures[0]
+
+
+def test_paired_overhead_and_targets():
+    arms = ("hand", "trainer", "trainer+recipe", "lightning")
+    tiny = result({arm: [1.0, 1.0] for arm in arms},
+                  {"hand": [1.0, 2.0], "trainer": [1.1, 2.1], "trainer+recipe": [1.2, 2.2],
+                   "lightning": [1.5, 2.5]})
+    assert tiny.paired("trainer", lambda a, h: a - h) == pytest.approx([0.001, 0.001])
+    cifar = result({"hand": [1.0], "trainer+recipe": [1.0]},
+                   {"hand": [10.0], "trainer+recipe": [10.5]})
+    lines = overhead.targets(tiny, cifar)
+    assert "NOT met" in lines[0]  # 10.5 vs 10.0 s: 4.8% slower than the hand loop
+    assert all("**met**" in line for line in lines[1:])
+    text = overhead.render(tiny, cifar, "note")
+    assert "All runs of all arms reached the same probe loss" in text
+    assert "| `lightning` |" in text
