@@ -46,10 +46,10 @@ from recipes.data_batches import EvalBatches, TrainBatches
 from recipes.distributed import (
     BACKENDS,
     Launch,
-    exit_together,
     launched_by_torchrun,
     plan_launch,
     process_device,
+    rank_zero_exit_code,
     share_machine,
     spawn,
 )
@@ -141,9 +141,14 @@ def load_data(config: Config) -> CifarArrays:
         data_dir = Path(config.data_dir)
         if config.data_dir == "auto":
             data_dir = SHARED_CIFAR if SHARED_CIFAR.is_dir() else Path("data/cifar10")
-        arrays = load_cifar10(data_dir)
+        # Only the auto fallback downloads: a --data-dir that holds nothing is most likely
+        # a typo, and a failed download would leave its (empty) folder behind.
+        arrays = load_cifar10(data_dir, download=config.data_dir == "auto")
     if config.val_fraction:
-        arrays = holdout_validation(arrays, config.val_fraction)
+        try:
+            arrays = holdout_validation(arrays, config.val_fraction)
+        except ValueError as error:  # too few training samples to hold any out
+            raise ConfigError(f"--val-fraction: {error}") from None
     return subset(arrays, config.train_subset, config.val_subset)
 
 
@@ -177,16 +182,25 @@ def setup(config: Config, given: set[str]) -> tuple[Path, str, CifarArrays]:
         resolve_precision(config.precision, config.device)
     except ValueError as error:
         raise ConfigError(f"--device/--precision: {error}") from None
+    if config.scheduler == "warmup_cosine" and config.warmup_epochs >= config.epochs:
+        raise ConfigError(f"--warmup-epochs: must be < --epochs {config.epochs} for "
+                          f"warmup_cosine, got {config.warmup_epochs}")
     arrays = load_data(config)  # a DataError here leaves nothing on disk
     if config.batch_size > len(arrays.train_labels):
         raise ConfigError(f"--batch-size {config.batch_size} exceeds the "
                           f"{len(arrays.train_labels)} training samples")
+    # Every process needs a validation sample: the first evaluation forward of the DDP
+    # model is a collective (it broadcasts rank 0's BatchNorm statistics to all).
     if len(arrays.test_labels) < launch.world_size:
         raise ConfigError(f"{len(arrays.test_labels)} validation samples cannot be shared by "
                           f"{launch.world_size} processes")
     for line in overrides:
         print(line)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # not writable, or a file in the way
+        raise ConfigError(f"--run-dir/--run-name: cannot create {run_dir}: {error.strerror}"
+                          ) from None
     write_json_atomic(run_dir / "config.json",
                       {"run_id": run_id, "config": dataclasses.asdict(config)})
     return run_dir, run_id, arrays
@@ -224,9 +238,9 @@ def _join_group(config: Config, given: set[str]) -> int:
 
 def train_process(local_rank: int, config: Config, run_dir: Path, run_id: str) -> int:
     """One process of a group: it loads the data itself (decoding is deterministic, so all
-    hold the same arrays), trains on its rank's slice of each batch, and ends with the rest."""
+    hold the same arrays) and trains on its rank's slice of each batch."""
     share_machine(process_device(config.device))
-    return exit_together(train(config, run_dir, run_id, load_data(config)))
+    return rank_zero_exit_code(train(config, run_dir, run_id, load_data(config)))
 
 
 def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> int:
@@ -298,6 +312,8 @@ def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> in
                                 config=dataclasses.asdict(config), keep_last=config.keep_last,
                                 metric="accuracy", mode="max")
     if rank == 0:
+        # Before the saves: a checkpoint taken at an evaluation holds that evaluation's best.
+        tensorboard.attach(trainer, telemetry, evaluator)
         evaluator.add_event_handler(Events.COMPLETED, checkpointer.save_best)
         # Not at an epoch's last iteration: that one is saved at EPOCH_COMPLETED, after
         # validation, so that a resumed run never skips an epoch's evaluation.
@@ -307,7 +323,6 @@ def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> in
                 and engine.state.iteration % engine.state.epoch_length != 0)),
             checkpointer.save_last)
         trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpointer.save_last)
-        tensorboard.attach(trainer, telemetry, evaluator)
         Progress(mode=config.progress).attach(trainer, telemetry)
     # Every rank stops at a signal (all of them receive Ctrl-C); only rank 0 saves.
     stop = GracefulStop(checkpointer.save_last if rank == 0 else lambda trainer: None)

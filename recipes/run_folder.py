@@ -1,6 +1,7 @@
 """A run's folder: where it is, what config it was started with, and atomic small writes."""
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -35,12 +36,24 @@ def resolve_run_dir(recipe: str, run_name: str, run_dir: str) -> Path:
     return Path("runs") / recipe / (run_name or time.strftime("%Y%m%d-%H%M%S"))
 
 
+def _strict_json(value: Any) -> Any:
+    """NaN and infinities as null: strict JSON has no spelling for them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(item) for item in value]
+    return value
+
+
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Temp file in the same folder, fsync, rename: readers never see half a file."""
+    """Temp file in the same folder, fsync, rename: readers never see half a file.
+    Non-finite numbers are written as null."""
     handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "w") as file:
-            json.dump(payload, file, indent=2, sort_keys=True)
+            json.dump(_strict_json(payload), file, indent=2, sort_keys=True, allow_nan=False)
             file.write("\n")
             file.flush()
             os.fsync(file.fileno())

@@ -1,0 +1,426 @@
+"""``python -m recipes`` end to end: help, bad input, a tiny run's outputs, resume.
+
+Successful runs go through a subprocess (cwd = a temporary folder, so ``runs/`` lands
+there); the table of bad inputs calls ``recipes.__main__.main`` in this process, which is
+the same code minus interpreter start-up (~4 s each here), and a few of them also run as a
+subprocess to check the exit status and the real stderr.
+"""
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torchvision.io import encode_jpeg
+
+from recipes.__main__ import main
+from recipes.cifar import SHARED_CIFAR, Config
+from recipes.models import build_model
+
+pytestmark = pytest.mark.filterwarnings(  # torchvision 0.29 deprecates its JPEG codecs
+    "ignore:The image decoding and encoding capabilities:DeprecationWarning")
+
+REPO = Path(__file__).resolve().parents[2]
+CLI_TIMEOUT_SEC = 600  # a hung run fails its test instead of hanging the suite
+# The tiny run whose outputs several tests inspect: 256 // 64 = 4 optimizer steps per epoch.
+TINY = ["--dataset", "synthetic", "--train-subset", "256", "--val-subset", "128",
+        "--batch-size=64", "--epochs=2", "--warmup-epochs", "0.5", "--progress", "off"]
+TINY_STEPS = 2 * (256 // 64)
+# Smaller still, for resume: 4 steps per epoch, a checkpoint at every step, no TTA.
+RESUMABLE = ["--dataset", "synthetic", "--train-subset", "128", "--val-subset", "32",
+             "--batch-size", "32", "--epochs", "2", "--warmup-epochs", "0.5", "--tta", "false",
+             "--checkpoint-every", "1", "--progress", "off"]
+TAGS = ["train/loss", "train/lr", "train/grad_norm", "train/grad_norm_clipped",
+        "train/clip_fraction", "train/skipped_steps", "val/loss", "val/accuracy",
+        "perf/samples_per_sec", "perf/epoch_time_sec"]
+
+
+@pytest.fixture(autouse=True)
+def keep_ignite_log_level():
+    """``main`` quiets Ignite's engine logger for the process; other test files log with it."""
+    engine_logger = logging.getLogger("ignite.engine.engine")
+    level = engine_logger.level
+    yield
+    engine_logger.setLevel(level)
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "CKPT_TEST_CRASH_PHASE"}
+    return env | extra
+
+
+def run_cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recipes", *args], cwd=cwd, env=cli_env(**env),
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT_SEC)
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (relative path -> sha256) and every folder (-> 'dir')."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        key = str(path.relative_to(folder))
+        found[key] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def assert_bit_identical(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]):
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def write_image_folders(root: Path, train_per_class: int = 4, test_per_class: int = 2) -> None:
+    """A CIFAR-shaped tree root/{train,test}/<class>/*.jpg: 10 classes of random 32x32 JPEGs."""
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", train_per_class), ("test", test_per_class)):
+        for label in range(10):
+            folder = root / split / f"class{label}"
+            folder.mkdir(parents=True)
+            for index in range(count):
+                image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=generator)
+                (folder / f"{index}.jpg").write_bytes(encode_jpeg(image).numpy().tobytes())
+
+
+def write_corrupt_image_folders(root: Path) -> Path:
+    write_image_folders(root, train_per_class=1, test_per_class=1)
+    bad = root / "train" / "class3" / "broken.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 this is not a JPEG")
+    return bad
+
+
+# --- help ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [[], ["--help"], ["-h"]])
+def test_help_lists_the_recipes(argv, capsys):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "usage: python -m recipes <recipe>" in out and "\n  cifar " in out
+
+
+def test_recipe_help_lists_every_key_with_its_default_and_meaning(tmp_path):
+    result = run_cli(["cifar", "--help"], tmp_path)
+    assert result.returncode == 0 and result.stderr == ""
+    lines = result.stdout.splitlines()
+    for spec in dataclasses.fields(Config):
+        flag = "--" + spec.name.replace("_", "-")
+        line = next((line for line in lines if line.split()[:1] == [flag]), None)
+        assert line is not None, flag
+        assert str(spec.default) in line and spec.metadata["help"] in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_train_passes_recipe_and_args_through():
+    result = subprocess.run(["make", "-n", "train", "RECIPE=cifar", "ARGS=--epochs 3 --lr 0.2"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert result.stdout.splitlines()[-1] == ".venv/bin/python -m recipes cifar --epochs 3 --lr 0.2"
+
+
+# --- bad input: exit 2, one line, nothing on disk -----------------------------------------
+
+BAD_INPUT = {
+    "unknown recipe": (["imagenet"], ["unknown recipe 'imagenet'", "available: cifar"]),
+    "unknown key": (["cifar", "--epoch", "3"], ["unknown key --epoch", "did you mean --epochs"]),
+    "lr negative": (["cifar", "--lr", "-1"], ["--lr", "must be > 0", "-1"]),
+    "lr not a number": (["cifar", "--lr", "abc"], ["--lr", "expected a number", "'abc'"]),
+    "accum steps 0": (["cifar", "--accum-steps", "0"], ["--accum-steps", ">= 1"]),
+    "max grad norm 0": (["cifar", "--max-grad-norm", "0"], ["--max-grad-norm", "> 0"]),
+    "max grad norm -1": (["cifar", "--max-grad-norm=-1"], ["--max-grad-norm", "> 0"]),
+    "patience -1": (["cifar", "--patience", "-1"], ["--patience", ">= 1"]),
+    "patience 0": (["cifar", "--patience", "0"], ["--patience", ">= 1"]),
+    "batch size 0": (["cifar", "--batch-size", "0"], ["--batch-size", ">= 1"]),
+    "epochs not an int": (["cifar", "--epochs", "1.5"], ["--epochs", "expected an integer"]),
+    "scheduler": (["cifar", "--scheduler", "bogus"], ["--scheduler", "'bogus'", "warmup_cosine"]),
+    "precision": (["cifar", "--precision", "fp8"], ["--precision", "'fp8'", "bf16"]),
+    "device": (["cifar", "--device", "tpu"], ["--device", "tpu", "cuda:N"]),
+    "bool word": (["cifar", "--tta", "maybe"], ["--tta", "true or false"]),
+    "run name ..": (["cifar", "--run-name", ".."], ["--run-name", "'..'", "letters, digits"]),
+    "run name /": (["cifar", "--run-name", "a/b"], ["--run-name", "'a/b'", "letters, digits"]),
+    "run name -": (["cifar", "--run-name", "-x"], ["--run-name", "'-x'", "start with a letter"]),
+    "run name .": (["cifar", "--run-name", ".x"], ["--run-name", "'.x'", "start with a letter"]),
+    "run name long": (["cifar", "--run-name", "r" * 65], ["--run-name", "at most 64", "65"]),
+    "given twice": (["cifar", "--lr", "1", "--lr=2"], ["--lr", "given twice"]),
+    "missing value": (["cifar", "--lr"], ["--lr", "missing value"]),
+    "stray word": (["cifar", "lr", "1"], ["unexpected argument 'lr'", "--key value"]),
+    "resume file": (["cifar", "--resume", "gone.pt"], ["--resume", "'gone.pt' is not a file"]),
+    "warmup too long": (["cifar", "--epochs", "2"], ["--warmup-epochs", "< --epochs 2"]),
+    "batch above data": (["cifar", "--dataset", "synthetic", "--train-subset", "64",
+                          "--val-subset", "8", "--batch-size", "128"],
+                         ["--batch-size 128", "64 training samples"]),
+    "val fraction of too few": (["cifar", "--dataset", "synthetic", "--train-subset", "1",
+                                 "--val-fraction", "0.1", "--batch-size", "1"],
+                                ["--val-fraction", "leaves 0 for validation"]),
+    "missing data dir": (["cifar", "--data-dir", "nowhere/cifar10"],
+                         ["no CIFAR-10 found in nowhere/cifar10", "train/<class>/*.jpg"]),
+    "empty run name means a timestamp": (["cifar", "--run-name", "", "--data-dir", "nowhere"],
+                                         ["no CIFAR-10 found in nowhere"]),
+}
+
+
+def expect_one_error_line(code: int, err: str, fragments: list[str]) -> str:
+    assert code == 2
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, fragments", BAD_INPUT.values(), ids=BAD_INPUT.keys())
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(argv, fragments, tmp_path,
+                                                            monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = main(argv)
+    captured = capsys.readouterr()
+    expect_one_error_line(code, captured.err, fragments)
+    assert captured.out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_exits_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = main(["cifar", "--device", "cuda", "--dataset", "synthetic"])
+    expect_one_error_line(code, capsys.readouterr().err, ["--device", "CUDA is not available"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_corrupt_jpeg_is_named(tmp_path, monkeypatch, capsys):
+    bad = write_corrupt_image_folders(tmp_path / "data")
+    before = snapshot(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code = main(["cifar", "--data-dir", "data", "--batch-size", "5"])
+    expect_one_error_line(code, capsys.readouterr().err,
+                          [f"cannot decode image {bad.relative_to(tmp_path)}"])
+    assert snapshot(tmp_path) == before
+
+
+def test_a_run_dir_that_cannot_be_created_exits_2(tmp_path, monkeypatch, capsys):
+    (tmp_path / "blocker").write_text("a file where the run folder's parent should be")
+    before = snapshot(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code = main(["cifar", "--run-dir", "blocker/run", "--dataset", "synthetic",
+                 "--train-subset", "64", "--val-subset", "8", "--batch-size", "32"])
+    expect_one_error_line(code, capsys.readouterr().err, ["cannot create blocker/run"])
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["cifar", "--epoch", "3"], ["unknown key --epoch", "did you mean --epochs"]),
+    (["cifar", "--data-dir", "data"], ["cannot decode image data/train/class3/broken.jpg"]),
+])
+def test_bad_input_through_the_real_command_line(args, fragments, tmp_path):
+    write_corrupt_image_folders(tmp_path / "data")
+    before = snapshot(tmp_path)
+    result = run_cli(args, tmp_path)
+    expect_one_error_line(result.returncode, result.stderr, fragments)
+    assert result.stdout == "" and snapshot(tmp_path) == before
+
+
+# --- a tiny synthetic run -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    cwd = tmp_path_factory.mktemp("tiny")
+    result = run_cli(["cifar", *TINY, "--run-name", "tiny"], cwd)
+    return result, cwd / "runs" / "cifar" / "tiny"
+
+
+def test_tiny_run_succeeds(tiny_run):
+    result, run_dir = tiny_run
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert {path.name for path in run_dir.iterdir()} >= {
+        "config.json", "summary.json", "curves.png", "checkpoints"}
+
+
+def test_tiny_run_config_json_holds_the_resolved_config(tiny_run):
+    _, run_dir = tiny_run
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["run_id"]
+    assert saved["config"] == dataclasses.asdict(Config(
+        dataset="synthetic", train_subset=256, val_subset=128, batch_size=64, epochs=2,
+        warmup_epochs=0.5, progress="off", run_name="tiny"))
+
+
+def test_tiny_run_logs_every_tag_to_tensorboard(tiny_run):
+    _, run_dir = tiny_run
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert set(TAGS) <= tags, sorted(set(TAGS) - tags)
+    assert [event.step for event in events.Scalars("val/accuracy")] == [4, 8]
+    assert [event.step for event in events.Scalars("perf/epoch_time_sec")] == [4, 8]
+    assert events.Scalars("train/loss")[-1].step == TINY_STEPS
+    assert all(event.value == 0 for event in events.Scalars("train/skipped_steps"))
+
+
+def test_tiny_run_checkpoints_load_with_weights_only(tiny_run):
+    _, run_dir = tiny_run
+    for name in ("last.pt", "best.pt"):
+        payload = torch.load(run_dir / "checkpoints" / name, weights_only=True)
+        model = build_model("airbench")
+        model.load_state_dict(payload["model"])  # strict: every key and shape matches
+        assert payload["meta"]["run_id"] == json.loads(
+            (run_dir / "config.json").read_text())["run_id"]
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert last["meta"]["optimizer_step"] == TINY_STEPS and last["meta"]["epoch"] == 2
+
+
+def test_tiny_run_summary_is_consistent(tiny_run):
+    result, run_dir = tiny_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["epochs_completed"] == 2 and summary["stopped_early"] is False
+    assert summary["optimizer_steps"] == TINY_STEPS and summary["skipped_steps"] == 0
+    assert 0 <= summary["final_val_accuracy"] <= summary["best_val_accuracy"] <= 1
+    assert 0 < summary["best_val_loss"] <= summary["final_val_loss"]
+    assert summary["wall_time_sec"] >= summary["train_time_sec"] > 0
+    assert summary["samples_per_sec"] == pytest.approx(
+        TINY_STEPS * 64 / summary["train_time_sec"], rel=1e-2)
+    best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    assert best["meta"]["metric"]["value"] == pytest.approx(summary["best_val_accuracy"])
+    assert json.loads(result.stdout[result.stdout.index("{"):]) == summary  # printed as well
+
+
+def test_tiny_run_draws_the_curves(tiny_run):
+    _, run_dir = tiny_run
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("change, key", [
+    (["--model", "resnet18"], "--model"),
+    (["--batch-size", "32"], "--batch-size"),
+    (["--epochs", "3"], "--epochs"),
+])
+def test_resume_refuses_to_change_a_fixed_key(tiny_run, change, key, capsys):
+    _, run_dir = tiny_run
+    before = snapshot(run_dir)
+    code = main(["cifar", "--run-dir", str(run_dir), *change])
+    expect_one_error_line(code, capsys.readouterr().err, [key, "cannot change on resume"])
+    assert snapshot(run_dir) == before
+
+
+def test_resume_refuses_a_fixed_key_through_the_real_command_line(tiny_run, tmp_path):
+    _, run_dir = tiny_run
+    before = snapshot(run_dir)
+    result = run_cli(["cifar", "--run-dir", str(run_dir), "--model", "resnet18"], tmp_path)
+    expect_one_error_line(result.returncode, result.stderr,
+                          ["--model", "cannot change on resume ('airbench' -> 'resnet18')"])
+    assert snapshot(run_dir) == before and list(tmp_path.iterdir()) == []
+
+
+def test_resume_never_into_a_folder_with_checkpoints_exits_2(tiny_run, capsys):
+    _, run_dir = tiny_run
+    before = snapshot(run_dir)
+    code = main(["cifar", *TINY, "--run-dir", str(run_dir), "--resume", "never"])
+    expect_one_error_line(code, capsys.readouterr().err,
+                          ["--resume never", "already holds checkpoints"])
+    assert snapshot(run_dir) == before
+
+
+# --- other data ---------------------------------------------------------------------------
+
+
+def test_a_run_on_image_folders(tmp_path):
+    write_image_folders(tmp_path / "images")  # 40 training and 20 test images
+    result = run_cli(["cifar", "--data-dir", "images", "--batch-size", "20", "--epochs", "2",
+                      "--warmup-epochs", "0.5", "--tta", "false", "--progress", "off",
+                      "--run-name", "folders"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "runs" / "cifar" / "folders"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epochs_completed"] == 2 and summary["optimizer_steps"] == 4
+    assert round(20 * summary["final_val_accuracy"], 6).is_integer()  # 20 validation images
+    assert json.loads((run_dir / "config.json").read_text())["config"]["data_dir"] == "images"
+
+
+@pytest.mark.skipif(not SHARED_CIFAR.is_dir(), reason=f"no CIFAR-10 at {SHARED_CIFAR}")
+def test_a_run_on_a_slice_of_the_real_set(tmp_path):
+    """Decoding all 60k JPEGs takes ~12 s here (then the first 512/256 are kept)."""
+    result = run_cli(["cifar", "--train-subset", "512", "--val-subset", "256", "--epochs", "1",
+                      "--warmup-epochs", "0.5", "--tta", "false", "--progress", "off",
+                      "--run-name", "real"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "runs" / "cifar" / "real"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epochs_completed"] == 1 and summary["optimizer_steps"] == 512 // 256
+    assert 0 <= summary["final_val_accuracy"] <= 1
+    assert json.loads((run_dir / "config.json").read_text())["config"]["data_dir"] == "auto"
+    assert not (tmp_path / "data").exists()  # the shared copy was used, nothing downloaded
+
+
+# --- resume -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    result = run_cli(["cifar", *RESUMABLE, "--run-name", "full"], cwd)
+    assert result.returncode == 0, result.stderr
+    return final_weights(cwd / "runs" / "cifar" / "full")
+
+
+def test_a_killed_run_rerun_with_the_same_command_ends_bit_identical(uninterrupted, tmp_path):
+    """Killed (os._exit, like SIGKILL) as it starts its 3rd save, at step 3 of epoch 1; the
+    same command then resumes from the step-2 checkpoint, mid-epoch."""
+    args = ["cifar", *RESUMABLE, "--run-name", "killed"]
+    killed = run_cli(args, tmp_path, CKPT_TEST_CRASH_PHASE="before_temp:3")
+    assert killed.returncode == 137
+    run_dir = tmp_path / "runs" / "cifar" / "killed"
+    assert torch.load(run_dir / "checkpoints" / "last.pt",
+                      weights_only=True)["meta"]["optimizer_step"] == 2
+    resumed = run_cli(args, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "iteration 2, step 2)" in resumed.stdout
+    assert_bit_identical(final_weights(run_dir), uninterrupted)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["optimizer_steps"] == 8 and summary["epochs_completed"] == 2
+
+
+def test_sigterm_saves_and_stops_then_the_same_command_finishes_bit_identical(
+    uninterrupted, tmp_path
+):
+    args = ["cifar", *RESUMABLE, "--run-name", "stopped"]
+    run_dir = tmp_path / "runs" / "cifar" / "stopped"
+    process = subprocess.Popen([sys.executable, "-m", "recipes", *args], cwd=tmp_path,
+                               env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        deadline = time.monotonic() + CLI_TIMEOUT_SEC
+        while not (run_dir / "checkpoints" / "last.pt.json").exists():  # step 1 committed
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=CLI_TIMEOUT_SEC)
+    finally:
+        process.kill()
+    assert process.returncode == 143, err
+    assert "SIGTERM" in out
+    stopped = json.loads((run_dir / "summary.json").read_text())
+    assert stopped["status"] == "interrupted by SIGTERM"
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert last["meta"]["optimizer_step"] == stopped["optimizer_steps"]
+
+    resumed = run_cli([*args, "--keep-last", "2"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "override: keep_last 3 -> 2" in resumed.stdout and "resumed from" in resumed.stdout
+    assert_bit_identical(final_weights(run_dir), uninterrupted)
+    assert len(list((run_dir / "checkpoints").glob("step-*.pt"))) <= 2

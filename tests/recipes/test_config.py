@@ -1,0 +1,198 @@
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+
+from recipes.config import ConfigError, field, help_text, parse_args, resume_overrides, validate
+
+
+def _even(value: int) -> str | None:
+    return None if value % 2 == 0 else f"must be even, got {value}"
+
+
+@dataclass
+class Sample:
+    steps: int = field(10, "optimizer steps", min=1)
+    lr: float = field(0.1, "learning rate", min=0, min_exclusive=True, max=10)
+    clip: float | None = field(None, "clip norm (none: off)", min=0, min_exclusive=True)
+    shuffle: bool = field(True, "shuffle the data")
+    mode: str = field("fast", "how to run", choices=("fast", "slow"))
+    width: int = field(4, "layer width", check=_even, fixed_on_resume=True)
+    batch_size: int = field(32, "samples per batch", min=1, fixed_on_resume=True)
+
+
+def test_defaults_when_nothing_is_given():
+    config, given = parse_args(Sample, [])
+    assert config == Sample() and given == set()
+
+
+def test_values_are_converted_to_the_field_types():
+    config, given = parse_args(Sample, ["--steps", "5", "--lr", "0.5", "--clip", "2",
+                                        "--mode", "slow", "--batch-size", "8"])
+    assert (config.steps, config.lr, config.clip, config.mode, config.batch_size) == (
+        5, 0.5, 2.0, "slow", 8)
+    assert type(config.steps) is int and type(config.lr) is float and type(config.clip) is float
+    assert given == {"steps", "lr", "clip", "mode", "batch_size"}
+
+
+def test_key_equals_value_form_matches_the_two_token_form():
+    assert parse_args(Sample, ["--lr=0.5", "--batch-size=8"]) == parse_args(
+        Sample, ["--lr", "0.5", "--batch-size", "8"])
+
+
+def test_equals_form_keeps_everything_after_the_first_equals_sign():
+    config, _ = parse_args(Sample, ["--mode=fast"])
+    assert config.mode == "fast"
+    with pytest.raises(ConfigError, match="--mode: 'a=b' is not allowed"):
+        parse_args(Sample, ["--mode=a=b"])
+
+
+@pytest.mark.parametrize("text", ["none", "None", "NULL", ""])
+def test_an_optional_field_takes_none(text):
+    config, given = parse_args(Sample, [f"--clip={text}"])
+    assert config.clip is None and given == {"clip"}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("true", True), ("True", True), ("1", True), ("yes", True), ("on", True),
+    ("false", False), ("FALSE", False), ("0", False), ("no", False), ("off", False),
+])
+def test_bool_words(text, expected):
+    config, _ = parse_args(Sample, ["--shuffle", text])
+    assert config.shuffle is expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "1.5"], "--steps: expected an integer, got '1.5'"),
+    (["--steps", "none"], "--steps: expected an integer, got 'none'"),
+    (["--lr", "abc"], "--lr: expected a number, got 'abc'"),
+    (["--clip", "abc"], "--clip: expected a number or none, got 'abc'"),
+    (["--shuffle", "maybe"], "--shuffle: expected true or false, got 'maybe'"),
+])
+def test_a_value_of_the_wrong_type_names_the_key_and_the_type(argv, message):
+    with pytest.raises(ConfigError) as error:
+        parse_args(Sample, argv)
+    assert str(error.value) == message
+
+
+def test_an_unknown_key_suggests_the_closest_ones():
+    with pytest.raises(ConfigError) as error:
+        parse_args(Sample, ["--batch-sise", "8"])
+    assert str(error.value) == (
+        "unknown key --batch-sise; did you mean --batch-size? (see --help for all keys)")
+
+
+def test_an_unknown_key_with_nothing_close_has_no_suggestion():
+    with pytest.raises(ConfigError) as error:
+        parse_args(Sample, ["--zzzzzz", "1"])
+    assert "did you mean" not in str(error.value) and "--zzzzzz" in str(error.value)
+
+
+def test_underscores_in_a_flag_are_accepted_like_dashes():
+    config, given = parse_args(Sample, ["--batch_size", "8"])
+    assert config.batch_size == 8 and given == {"batch_size"}
+
+
+@pytest.mark.parametrize("argv", [["--steps", "1", "--steps", "2"], ["--steps=1", "--steps", "1"],
+                                  ["--batch-size", "8", "--batch_size=8"]])
+def test_a_key_given_twice_is_refused(argv):
+    with pytest.raises(ConfigError, match=r"given twice"):
+        parse_args(Sample, argv)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps"], "--steps: missing value"),
+    (["--steps", "--lr", "1"], "--steps: missing value"),
+    (["steps", "1"], "unexpected argument 'steps'"),
+    (["-s", "1"], "unexpected argument '-s'"),
+    (["--"], "unexpected argument '--'"),
+])
+def test_malformed_argument_lists(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(Sample, argv)
+
+
+def test_a_negative_number_is_a_value_not_a_flag():
+    with pytest.raises(ConfigError, match=r"^--lr: must be > 0, got -1.0$"):
+        parse_args(Sample, ["--lr", "-1"])
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"steps": 0}, "--steps: must be >= 1, got 0"),
+    ({"lr": 0.0}, "--lr: must be > 0, got 0.0"),
+    ({"lr": 10.5}, "--lr: must be <= 10, got 10.5"),
+    ({"lr": float("nan")}, "--lr: must be a finite number, got nan"),
+    ({"lr": float("inf")}, "--lr: must be a finite number, got inf"),
+    ({"clip": 0.0}, "--clip: must be > 0, got 0.0"),
+    ({"mode": "medium"}, "--mode: 'medium' is not allowed; choose one of: fast, slow"),
+    ({"width": 3}, "--width: must be even, got 3"),
+])
+def test_validate_names_the_key_and_what_is_allowed(changes, message):
+    with pytest.raises(ConfigError) as error:
+        validate(dataclasses.replace(Sample(), **changes))
+    assert str(error.value) == message
+
+
+def test_validate_accepts_the_bounds_and_none():
+    validate(dataclasses.replace(Sample(), steps=1, lr=10.0, clip=None))
+
+
+def test_parse_args_validates_after_converting():
+    with pytest.raises(ConfigError, match=r"^--lr: must be a finite number, got inf$"):
+        parse_args(Sample, ["--lr=inf"])
+
+
+def test_help_lists_every_key_with_its_default_help_and_choices():
+    text = help_text(Sample, "prog", "what it does")
+    assert text.startswith("usage: prog [--key value ...]") and "what it does" in text
+    for spec in dataclasses.fields(Sample):
+        line = next(line for line in text.splitlines()
+                    if line.split()[:1] == ["--" + spec.name.replace("_", "-")])
+        assert str(spec.default) in line and spec.metadata["help"] in line
+    assert "[fast | slow]" in text
+
+
+def _saved(**changes) -> dict:
+    return dataclasses.asdict(dataclasses.replace(Sample(), **changes))
+
+
+def test_resume_takes_keys_not_given_from_the_saved_run():
+    config, given = parse_args(Sample, [])
+    messages = resume_overrides(_saved(steps=7, lr=0.3, width=8), config, given)
+    assert messages == []
+    assert (config.steps, config.lr, config.width) == (7, 0.3, 8)
+
+
+def test_resume_reports_each_changed_key_that_was_given():
+    config, given = parse_args(Sample, ["--steps", "20", "--lr", "0.3", "--width", "8"])
+    messages = resume_overrides(_saved(steps=10, lr=0.3, width=8), config, given)
+    assert messages == ["override: steps 10 -> 20"]
+    assert (config.steps, config.lr) == (20, 0.3)
+
+
+def test_resume_refuses_to_change_a_fixed_key():
+    config, given = parse_args(Sample, ["--batch-size", "16"])
+    with pytest.raises(ConfigError) as error:
+        resume_overrides(_saved(batch_size=32), config, given)
+    message = str(error.value)
+    assert message.startswith("--batch-size: cannot change on resume (32 -> 16)")
+    assert "\n" not in message
+
+
+def test_resume_allows_a_fixed_key_given_with_its_saved_value():
+    config, given = parse_args(Sample, ["--batch-size", "32", "--width", "4"])
+    assert resume_overrides(_saved(), config, given) == []
+
+
+def test_resume_ignores_keys_the_saved_run_did_not_have():
+    config, given = parse_args(Sample, ["--steps", "3"])
+    saved = _saved(lr=0.2)
+    del saved["steps"]
+    assert resume_overrides(saved, config, given) == []
+    assert (config.steps, config.lr) == (3, 0.2)
+
+
+def test_resume_validates_the_merged_config():
+    config, given = parse_args(Sample, [])
+    with pytest.raises(ConfigError, match="--mode: 'turbo' is not allowed"):
+        resume_overrides(_saved(mode="turbo"), config, given)
