@@ -1,6 +1,7 @@
 """The process function: one micro-batch in, one (possibly applied) optimizer step out."""
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -48,9 +49,12 @@ def make_train_step(
         model.train()
         window_len, closes_window = window_position(engine.state, accum_steps)
         batch = prepare_batch(batch, precision.device, True)
-        with precision.autocast():
-            loss = forward(model, batch)
-        scaler.scale(loss / window_len).backward()
+        # DDP all-reduces at every backward; inside a window only the last one needs it.
+        skip_sync = not closes_window and hasattr(model, "no_sync")
+        with model.no_sync() if skip_sync else nullcontext():
+            with precision.autocast():
+                loss = forward(model, batch)
+            scaler.scale(loss / window_len).backward()
         output = {"loss": loss.detach()}
         previous = window["loss"]
         window["loss"] = output["loss"] if previous is None else previous + output["loss"]

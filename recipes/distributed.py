@@ -6,10 +6,9 @@ cifar`` starts them itself, and each one joins their group (``idist.Parallel(bac
 Every process then runs the same training function on its slice of each global batch
 (DESIGN.md, "Randomness and exact resume"); only rank 0 writes.
 
-The processes end together: a run that stops with a non-zero code (non-finite gradients,
-a signal) waits at a barrier so that rank 0 finishes its summary first; a process that
-fails ends the others at once (the spawner or torchrun stops them), and the spawner exits
-with its code: 2 for a user error, which the failing process has already printed.
+Rank 0's exit code is the run's (the others return 0 when they finish). A process that
+raises ends the others at once (the spawner or torchrun stops them), and the spawner exits
+with its code: 2 for a user error, which the failing process has already printed, else 1.
 """
 
 import logging
@@ -40,11 +39,10 @@ def launched_by_torchrun() -> bool:
 
 @dataclass(frozen=True)
 class Launch:
-    """How many processes run, on which backend; ``device`` is the type each one uses."""
+    """How many processes run in all, and the backend of their group."""
 
     world_size: int
     backend: str
-    device: torch.device
 
 
 def plan_launch(nproc: int, backend: str, device: str, batch_size: int) -> Launch:
@@ -54,15 +52,14 @@ def plan_launch(nproc: int, backend: str, device: str, batch_size: int) -> Launc
         resolved = resolve_device(device)
     except ValueError as error:
         raise ConfigError(f"--device: {error}") from None
-    per_node = nproc
     if launched_by_torchrun():
-        world_size, per_node = int(os.environ["WORLD_SIZE"]), int(
-            os.environ.get("LOCAL_WORLD_SIZE", 1))
+        world_size = int(os.environ["WORLD_SIZE"])
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if nproc != 1:
             raise ConfigError(f"--nproc {nproc}: torchrun already started {world_size} "
                               "process(es) (WORLD_SIZE); use --nproc 1 under torchrun")
     else:
-        world_size = nproc
+        world_size = per_node = nproc
     if batch_size % world_size:
         raise ConfigError(f"--batch-size {batch_size} (global) must be divisible by the "
                           f"{world_size} processes")
@@ -81,7 +78,7 @@ def plan_launch(nproc: int, backend: str, device: str, batch_size: int) -> Launc
         if backend not in idist.available_backends():
             raise ConfigError(f"--backend {backend} is not available in this PyTorch build; "
                               f"available: {', '.join(idist.available_backends())}")
-    return Launch(world_size, backend, torch.device(resolved.type))
+    return Launch(world_size, backend)
 
 
 def process_device(device: str) -> torch.device:
@@ -106,12 +103,11 @@ def share_machine(device: torch.device) -> None:
         torch.set_num_threads(max(1, cores // idist.get_nproc_per_node()))
 
 
-def exit_together(exit_code: int) -> int:
-    """Wait for every process before returning ``exit_code``: the spawner and torchrun end
-    all processes at the first non-zero exit, which must not cut rank 0's summary short."""
-    if idist.get_world_size() > 1:
-        idist.barrier()
-    return exit_code
+def rank_zero_exit_code(exit_code: int) -> int:
+    """``exit_code`` on rank 0, 0 on the others: rank 0 speaks for the group. The spawner
+    and torchrun stop every process at the first non-zero exit, and another rank ending
+    first (a non-finite stop is raised on all) must not cut rank 0's summary short."""
+    return exit_code if idist.get_rank() == 0 else 0
 
 
 def spawn(fn: Callable[..., int], *args: Any, nproc: int, backend: str) -> int:
