@@ -1,0 +1,282 @@
+"""Shared machinery of the reliability suite: start the recipe's command line in a child
+process, fault it, and compare what it leaves behind with an uninterrupted run.
+
+Every run trains the same tiny CIFAR job (``BASE_ARGS``: synthetic data, 8 iterations per
+epoch, 3 epochs, a step-clocked OneCycle schedule, a checkpoint every 3 optimizer steps)
+through ``run_recipe.py``, which is ``python -m recipes`` plus test-only faults. The child
+runs with one intra-op thread: on this 2-core shared machine a second thread only
+spin-waits (a run took 35 s with two threads, 10 s with one), and the uninterrupted
+reference and the resumed runs must use the same thread count to be bit-identical.
+"""
+
+import hashlib
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tensorboard.util.tensor_util import make_ndarray
+
+from handlers.checkpoint import read_checkpoint
+
+RUN_RECIPE = Path(__file__).with_name("run_recipe.py")
+ITERATIONS_PER_EPOCH, EPOCHS = 8, 3  # 256 samples / batch 32; every iteration is a step
+TOTAL_ITERATIONS = ITERATIONS_PER_EPOCH * EPOCHS
+LOG_EVERY = 2  # a progress line ("epoch 1/3 step 2 ...") every 2 optimizer steps
+BASE_ARGS = (
+    "cifar", "--dataset", "synthetic", "--train-subset", "256", "--val-subset", "64",
+    "--batch-size", "32", "--epochs", str(EPOCHS), "--checkpoint-every", "3",
+    "--progress", "plain", "--log-every", str(LOG_EVERY), "--scheduler", "onecycle",
+    "--device", "cpu",
+)
+RUN_TIMEOUT_SEC = 300  # a run takes ~10 s; generous for a loaded machine
+FAULT_VARIABLES = ("RELIABILITY_", "CKPT_TEST_")
+# Entries of a final checkpoint that legitimately differ between two runs of the same job:
+# identity, clocks, the sample count that goes with the measured time (RunHistory counts an
+# epoch's samples at its end from where this session began it; a known bug for the run's
+# total, pinned by test_resume_positions.py's xfail), and the Checkpointer's list of evicted
+# files whose deletion was pending when the resumed checkpoint was written (already deleted;
+# a resumed run carries the list into its next save). The files left are compared instead.
+VOLATILE = {
+    ("meta", "run_id"), ("meta", "saved_at_unix"), ("meta", "config", "run_dir"),
+    ("history", "wall_time_sec"), ("history", "train_time_sec"), ("history", "train_samples"),
+    ("checkpointer", "evict"),
+}
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def child_env(faults: dict[str, str] | None = None) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(FAULT_VARIABLES)}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(faults or {})
+    return env
+
+
+def recipe_command(run_dir: Path, *extra: str, entry: tuple[str, ...] = (str(RUN_RECIPE),)
+                   ) -> list[str]:
+    """``BASE_ARGS`` with ``--run-dir``; a ``--key value`` pair in ``extra`` replaces the base
+    one (the command line refuses a key given twice). ``entry=("-m", "recipes")`` runs the
+    unwrapped command line: no faults, the full-size net."""
+    overridden = set(extra[::2])
+    base = [item for key, value in zip(BASE_ARGS[1::2], BASE_ARGS[2::2], strict=True)
+            if key not in overridden for item in (key, value)]
+    return [sys.executable, *entry, BASE_ARGS[0], *base, "--run-dir", str(run_dir), *extra]
+
+
+def run_recipe(run_dir: Path, *extra: str, faults: dict[str, str] | None = None,
+               entry: tuple[str, ...] = (str(RUN_RECIPE),)) -> Result:
+    """Run the recipe to its end (or its crash) and return what it printed."""
+    start = time.monotonic()
+    done = subprocess.run(recipe_command(run_dir, *extra, entry=entry), env=child_env(faults),
+                          cwd=run_dir.parent, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_SEC)
+    return Result(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+
+
+def run_and_signal(run_dir: Path, signum: int, after_lines: int, delay_sec: float = 0.0,
+                   *extra: str, faults: dict[str, str] | None = None,
+                   entry: tuple[str, ...] = (str(RUN_RECIPE),)) -> Result:
+    """Start the recipe, send ``signum`` ``delay_sec`` after its ``after_lines``-th progress
+    line, and wait for it; ``extra["exit_sec"]`` is the time from the signal to the exit."""
+    stderr_path = run_dir.parent / f"{run_dir.name}.stderr.txt"
+    with open(stderr_path, "w") as stderr:
+        child = subprocess.Popen(recipe_command(run_dir, *extra, entry=entry),
+                                 env=child_env(faults),
+                                 cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=stderr,
+                                 text=True)
+        lines, progress_lines = [], 0
+        try:
+            while progress_lines < after_lines:
+                line = child.stdout.readline()
+                if not line:
+                    break  # ended before the wanted line: the caller's asserts will say so
+                lines.append(line)
+                progress_lines += line.startswith("epoch ")
+            time.sleep(delay_sec)
+            signalled = time.monotonic()
+            child.send_signal(signum)
+            rest, _ = child.communicate(timeout=RUN_TIMEOUT_SEC)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        exit_sec = time.monotonic() - signalled
+    result = Result(child.returncode, "".join(lines) + rest, stderr_path.read_text())
+    result.extra.update(exit_sec=exit_sec, progress_lines=progress_lines)
+    return result
+
+
+def copy_run(source: Path, destination: Path) -> Path:
+    """Copy a run folder, keeping hard links as hard links (last.pt shares a file with a step)."""
+    copied: dict[tuple[int, int], Path] = {}
+    for path in sorted(source.rglob("*")):
+        target = destination / path.relative_to(source)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        key = (path.stat().st_dev, path.stat().st_ino)
+        if key in copied:
+            os.link(copied[key], target)
+        else:
+            shutil.copy2(path, target)
+            copied[key] = target
+    return destination
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file under ``folder`` by relative path (what "untouched" means)."""
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def final_checkpoint(run_dir: Path) -> dict[str, Any]:
+    """``last.pt``, verified against its sidecar and loaded with weights_only=True."""
+    return read_checkpoint(run_dir / "checkpoints" / "last.pt")
+
+
+def differences(actual: Any, expected: Any, path: tuple = ()) -> list[str]:
+    """Every place where two checkpoint payloads differ; tensors must be ``torch.equal``
+    with the same dtype (bit-identical), floats equal (NaN equals NaN)."""
+    if path in VOLATILE:
+        return []
+    where = "/".join(str(part) for part in path) or "<root>"
+    if isinstance(expected, torch.Tensor):
+        same = (isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype
+                and actual.shape == expected.shape and torch.equal(actual, expected))
+        return [] if same else [f"{where}: tensors differ"]
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            keys = sorted(map(str, actual.keys())) if isinstance(actual, dict) else actual
+            return [f"{where}: keys {keys} != {sorted(map(str, expected.keys()))}"]
+        return [found for key in expected
+                for found in differences(actual[key], expected[key], (*path, key))]
+    if isinstance(expected, list | tuple):
+        if type(actual) is not type(expected) or len(actual) != len(expected):
+            return [f"{where}: {actual!r} != {expected!r}"]
+        return [found for index, (a, e) in enumerate(zip(actual, expected, strict=True))
+                for found in differences(a, e, (*path, index))]
+    if isinstance(expected, float) and isinstance(actual, float) and math.isnan(expected):
+        return [] if math.isnan(actual) else [f"{where}: {actual!r} != nan"]
+    return [] if actual == expected and type(actual) is type(expected) else [
+        f"{where}: {actual!r} != {expected!r}"]
+
+
+def tensorboard_scalars(run_dir: Path, tag: str) -> dict[int, list[float]]:
+    """Every value written for ``tag`` by step, over all event files of the run (a resumed
+    run has one per session; a killed session may have logged steps the resume redoes)."""
+    values: dict[int, list[float]] = {}
+    for events_file in sorted(run_dir.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(events_file)).Load():
+            for value in event.summary.value:
+                if value.tag == tag:
+                    values.setdefault(event.step, []).append(float(make_ndarray(value.tensor)))
+    return values
+
+
+def checkpoint_files(run_dir: Path) -> list[str]:
+    return sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+
+
+@dataclass
+class Reference:
+    """The uninterrupted run every faulted run must end up identical to."""
+
+    run_dir: Path
+    state: dict[str, Any]
+    losses: dict[int, list[float]]
+    files: list[str]
+
+    @classmethod
+    def of(cls, run_dir: Path) -> "Reference":
+        return cls(run_dir, final_checkpoint(run_dir), tensorboard_scalars(run_dir, "train/loss"),
+                   checkpoint_files(run_dir))
+
+    def assert_matches(self, run_dir: Path, stopped_at_step: int | None = None) -> None:
+        """Final model, optimizer, scaler, scheduler, trainer counters, RNG, handler states
+        and history bit-identical; every train/loss value ever logged equal to the
+        reference's value at that step; the same checkpoint files left; no temp file.
+
+        A run stopped by a signal saved one more history checkpoint, at ``stopped_at_step``,
+        which retention keeps if it is among the newest ``keep_last``; it also logged its
+        partial interval there (as every run does at its end), which the resumed run's next
+        report covers again.
+        """
+        expected_state, expected_files = self.state, self.files
+        if stopped_at_step is not None:
+            history = self.state["checkpointer"]["history"]  # names sort by step
+            kept = sorted({*history, f"step-{stopped_at_step:08d}.pt"})[-len(history):]
+            expected_state = {**self.state,
+                              "checkpointer": {**self.state["checkpointer"], "history": kept}}
+            expected_files = sorted(
+                {name for name in self.files if name.partition(".pt")[0] + ".pt" not in history}
+                | {name + suffix for name in kept for suffix in ("", ".json")})
+        state = final_checkpoint(run_dir)
+        assert differences(state, expected_state) == []
+        losses = tensorboard_scalars(run_dir, "train/loss")
+        assert set(losses) - set(self.losses) <= {stopped_at_step}
+        for step, expected in self.losses.items():
+            assert set(losses.get(step, [])) == set(expected), f"train/loss at step {step}"
+        assert checkpoint_files(run_dir) == expected_files
+        summary = (run_dir / "summary.json").read_text()
+        assert '"status": "completed"' in summary
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> Reference:
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    result = run_recipe(run_dir)
+    assert result.returncode == 0, result.stderr
+    print(f"reference run: {result.seconds:.1f} s")
+    reference = Reference.of(run_dir)
+    assert reference.state["meta"]["iteration"] == TOTAL_ITERATIONS
+    assert all(len(values) == 1 for values in reference.losses.values())
+    return reference
+
+
+@pytest.fixture(scope="session")
+def interrupted_run(tmp_path_factory) -> Path:
+    """A run killed at the start of its 7th save. Committed: step 3, 6, best-step-8 (the
+    epoch-end save; as it is also the newest, no separate step-8 is written), 9, 12, 15;
+    history keeps 9, 12, 15; last.pt is a hard link to step 15 (iteration 15), best.pt to
+    best-step-8. Tests copy it (``copy_run``) before changing anything."""
+    run_dir = tmp_path_factory.mktemp("interrupted") / "run"
+    result = run_recipe(run_dir, faults={"CKPT_TEST_CRASH_PHASE": "before_temp:7"})
+    assert result.returncode == 137, result.stderr
+    assert read_checkpoint(run_dir / "checkpoints" / "last.pt")["meta"]["iteration"] == 15
+    return run_dir
+
+
+SIGNALS = {"SIGTERM": (signal.SIGTERM, 143), "SIGINT": (signal.SIGINT, 130)}
+
+
+@pytest.fixture(scope="session")
+def harness() -> SimpleNamespace:
+    """The helpers and constants above for the test modules, which cannot import this
+    conftest under ``--import-mode=importlib``."""
+    return SimpleNamespace(
+        run_recipe=run_recipe, run_and_signal=run_and_signal, copy_run=copy_run,
+        file_digests=file_digests, final_checkpoint=final_checkpoint, differences=differences,
+        tensorboard_scalars=tensorboard_scalars, checkpoint_files=checkpoint_files,
+        recipe_command=recipe_command, child_env=child_env, Reference=Reference, SIGNALS=SIGNALS,
+        BASE_ARGS=BASE_ARGS, ITERATIONS_PER_EPOCH=ITERATIONS_PER_EPOCH, EPOCHS=EPOCHS,
+        TOTAL_ITERATIONS=TOTAL_ITERATIONS, LOG_EVERY=LOG_EVERY,
+    )

@@ -1,0 +1,74 @@
+"""Bad input against a run that already holds checkpoints: exit 2 with one ``error:`` line
+naming the problem, and not one byte of what is already saved changes (sha256 of every file
+before and after). tests/recipes/test_cli.py covers the messages; this covers "untouched".
+
+The command line runs in this process (``recipes.__main__.main``): every case fails before
+training starts, and a subprocess would spend most of its time importing torch.
+"""
+
+import json
+
+import pytest
+import torch
+from torchvision.io import encode_jpeg, write_file
+
+from recipes.__main__ import main
+
+pytestmark = [pytest.mark.reliability,
+              pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")]
+
+
+@pytest.fixture
+def runs_root(tmp_path, reference, harness, monkeypatch):
+    """``tmp_path`` as the working directory, holding ``runs/cifar/existing`` (a copy of the
+    finished reference run) and ``runs/cifar/existing-jpeg``, the same run relabelled as one
+    trained on the image folders in ``tmp_path/images``, whose first training JPEG is corrupt."""
+    monkeypatch.chdir(tmp_path)
+    harness.copy_run(reference.run_dir, tmp_path / "runs" / "cifar" / "existing")
+    jpeg_run = harness.copy_run(reference.run_dir, tmp_path / "runs" / "cifar" / "existing-jpeg")
+    images = tmp_path / "images"
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", 4), ("test", 2)):
+        for name in ("cat", "dog"):
+            (images / split / name).mkdir(parents=True)
+            for index in range(count):
+                pixels = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8,
+                                       generator=generator)
+                write_file(str(images / split / name / f"{index}.jpg"), encode_jpeg(pixels))
+    (images / "train" / "cat" / "0.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a JPEG")
+    saved = json.loads((jpeg_run / "config.json").read_text())
+    saved["config"].update(dataset="cifar10", data_dir=str(images))
+    (jpeg_run / "config.json").write_text(json.dumps(saved))
+    return tmp_path
+
+
+EXISTING = ("--run-dir", "runs/cifar/existing")
+BAD_INPUTS = {
+    "run_name_with_dotdot": (("--run-name", "../existing"), "--run-name"),
+    "run_name_with_slash": (("--run-name", "cifar/existing"), "--run-name"),
+    "run_name_over_64_chars": (("--run-name", "r" * 65), "--run-name"),
+    "unknown_key": ((*EXISTING, "--learning-rate", "0.1"), "--learning-rate"),
+    "negative_lr": ((*EXISTING, "--lr", "-0.1"), "--lr"),
+    "accum_steps_0": ((*EXISTING, "--accum-steps", "0"), "--accum-steps"),
+    "max_grad_norm_0": ((*EXISTING, "--max-grad-norm", "0"), "--max-grad-norm"),
+    "max_grad_norm_negative": ((*EXISTING, "--max-grad-norm", "-1"), "--max-grad-norm"),
+    "negative_patience": ((*EXISTING, "--patience", "-1"), "--patience"),
+    "data_dir_missing": (("--run-dir", "runs/cifar/existing-jpeg", "--data-dir", "no-such-dir"),
+                         "no-such-dir"),
+    "corrupt_jpeg": (("--run-dir", "runs/cifar/existing-jpeg"), "0.jpg"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_exits_2_with_one_line_and_touches_nothing(case, runs_root, harness, capsys):
+    args, named = BAD_INPUTS[case]
+    before = harness.file_digests(runs_root)
+
+    code = main(["cifar", *args])
+
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert named in lines[0]
+    assert harness.file_digests(runs_root) == before

@@ -1,0 +1,142 @@
+"""Damaged, foreign and malicious checkpoints: the resume names each bad file and why, falls
+back to the newest good one and finishes identically; with none good it exits 2."""
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from handlers.checkpoint import read_checkpoint
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+
+
+def _truncate_to_zero(path):
+    os.truncate(path, 0)
+
+
+def _truncate_to_half(path):
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _flip_one_byte(path):
+    with open(path, "r+b") as file:
+        file.seek(path.stat().st_size // 2)
+        byte = file.read(1)
+        file.seek(-1, os.SEEK_CUR)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _append_junk(path):
+    with open(path, "ab") as file:
+        file.write(b"junk" * 100)
+
+
+# last.pt shares its data with step-00000015.pt (a hard link), as on a real disk: damage
+# to one is damage to both, and the resume must go back to step 12.
+DAMAGE = {
+    "truncated_to_0_bytes": (_truncate_to_zero, "truncated (0 bytes)"),
+    "truncated_to_half": (_truncate_to_half, "truncated ("),
+    "one_byte_flipped": (_flip_one_byte, "checksum mismatch"),
+    "junk_appended": (_append_junk, "checksum mismatch ("),
+}
+
+
+def _skipped(stderr: str) -> dict[str, str]:
+    """``skipped checkpoint <path>: <reason>`` lines of the recipe, by file name."""
+    prefix = "skipped checkpoint "
+    lines = [line[len(prefix):] for line in stderr.splitlines() if line.startswith(prefix)]
+    return {os.path.basename(path): reason for path, _, reason in
+            (line.partition(": ") for line in lines)}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_last_checkpoint_falls_back_and_finishes_identically(damage, interrupted_run,
+                                                                     reference, harness,
+                                                                     tmp_path):
+    run_dir = harness.copy_run(interrupted_run, tmp_path / "run")
+    corrupt, reason = DAMAGE[damage]
+    corrupt(run_dir / "checkpoints" / "last.pt")
+
+    resumed = harness.run_recipe(run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    skipped = _skipped(resumed.stderr)
+    assert set(skipped) == {"last.pt", "step-00000015.pt"}
+    assert all(text.startswith(reason) for text in skipped.values()), skipped
+    assert "resumed from" in resumed.stdout and "iteration 12, step 12)" in resumed.stdout
+    reference.assert_matches(run_dir)
+
+
+def test_checkpoint_of_another_run_copied_in_as_newest_is_refused(interrupted_run, reference,
+                                                                  harness, tmp_path):
+    run_dir = harness.copy_run(interrupted_run, tmp_path / "run")
+    folder = run_dir / "checkpoints"
+    for suffix in ("", ".json"):  # the reference run's step 21, sidecar and all: it verifies
+        shutil.copy(reference.run_dir / "checkpoints" / f"step-00000021.pt{suffix}",
+                    folder / f"step-00000021.pt{suffix}")
+
+    resumed = harness.run_recipe(run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    skipped = _skipped(resumed.stderr)
+    assert list(skipped) == ["step-00000021.pt"]
+    assert skipped["step-00000021.pt"].startswith(
+        f"from another run {reference.state['meta']['run_id']} (this run is ")
+    assert "iteration 15, step 15)" in resumed.stdout
+    reference.assert_matches(run_dir)
+
+
+def test_no_good_checkpoint_exits_2_naming_each_file_and_touches_nothing(interrupted_run,
+                                                                         harness, tmp_path):
+    run_dir = harness.copy_run(interrupted_run, tmp_path / "run")
+    for path in (run_dir / "checkpoints").glob("*.pt"):
+        _truncate_to_zero(path)
+    before = harness.file_digests(run_dir / "checkpoints")
+
+    resumed = harness.run_recipe(run_dir)
+    assert resumed.returncode == 2, resumed.stderr
+    last_line = resumed.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"error: {run_dir / 'checkpoints'}: no usable checkpoint (")
+    for name in before:
+        if name.endswith(".pt"):
+            assert f"{name}: truncated (0 bytes)" in last_line
+    assert "Traceback" not in resumed.stderr
+    assert harness.file_digests(run_dir / "checkpoints") == before
+
+
+class _RunsCodeWhenUnpickled:
+    """Unpickling calls ``os.mkdir(marker)``: what a booby-trapped checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_checkpoint_that_would_run_code_is_refused_unrun(interrupted_run, reference, harness,
+                                                         tmp_path):
+    run_dir = harness.copy_run(interrupted_run, tmp_path / "run")
+    folder, marker = run_dir / "checkpoints", tmp_path / "code-ran"
+    payload = read_checkpoint(folder / "last.pt")
+    payload["model"]["extra"] = _RunsCodeWhenUnpickled(marker)
+    sidecar = json.loads((folder / "last.pt.json").read_text())
+    (folder / "last.pt").unlink()  # keeps step 15, its other name, intact
+    torch.save(payload, folder / "last.pt")
+    data = (folder / "last.pt").read_bytes()
+    # A matching sidecar: only torch.load(weights_only=True) stands in the way.
+    sidecar.update(sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+    (folder / "last.pt.json").unlink()
+    (folder / "last.pt.json").write_text(json.dumps(sidecar))
+
+    resumed = harness.run_recipe(run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert not marker.exists()
+    skipped = _skipped(resumed.stderr)
+    assert list(skipped) == ["last.pt"]
+    assert skipped["last.pt"].startswith("not a checkpoint: ")
+    assert "iteration 15, step 15)" in resumed.stdout
+    reference.assert_matches(run_dir)
+    assert not marker.exists()

@@ -1,0 +1,94 @@
+"""kill -9 at random moments and inside every phase of a checkpoint save: running the same
+command again finishes the run bit-identically to one that was never interrupted."""
+
+import json
+import random
+import signal
+
+import pytest
+
+from handlers.checkpoint import CRASH_PHASES
+
+pytestmark = pytest.mark.reliability
+
+RANDOM_TRIALS = 12
+CRASHED_SAVE = 5  # the 5th save (step 12) also evicts step 3: every phase is reached
+
+
+def _trial(seed: int):
+    marks = [] if seed == 0 else [pytest.mark.slow]  # trial 0 runs in `make test`
+    return pytest.param(seed, marks=marks, id=f"seed{seed}")
+
+
+@pytest.mark.parametrize("seed", [_trial(seed) for seed in range(RANDOM_TRIALS)])
+def test_kill9_at_a_random_moment_then_rerun_finishes_identically(seed, reference, harness,
+                                                                  tmp_path):
+    moment = random.Random(seed)
+    # A progress line comes every 2 of 24 iterations; after the 9th at most, 6 iterations, a
+    # validation and its saves are still ahead, so the kill lands inside the run.
+    after_lines, delay_sec = moment.randint(1, 9), moment.uniform(0.0, 0.4)
+    run_dir = tmp_path / "run"
+
+    killed = harness.run_and_signal(run_dir, signal.SIGKILL, after_lines, delay_sec)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert killed.extra["progress_lines"] == after_lines
+
+    resumed = harness.run_recipe(run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    reference.assert_matches(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", CRASH_PHASES)
+def test_crash_inside_a_checkpoint_save_then_rerun_finishes_identically(phase, reference,
+                                                                        harness, tmp_path):
+    run_dir = tmp_path / "run"
+    crashed = harness.run_recipe(
+        run_dir, faults={"CKPT_TEST_CRASH_PHASE": f"{phase}:{CRASHED_SAVE}"})
+    assert crashed.returncode == 137, crashed.stderr
+    folder = run_dir / "checkpoints"
+    # Until the switch of last.pt, it names the previous save (step 9); from the eviction
+    # on, step 12 is committed. Before its sidecar exists, step 12 is not trusted.
+    committed = 12 if phase == "during_eviction" else 9
+    assert json.loads((folder / "last.pt.json").read_text())["optimizer_step"] == committed
+    if phase == "during_eviction":
+        assert not (folder / "step-00000003.pt").exists()
+        assert (folder / "step-00000003.pt.json").exists()  # its sidecar was next
+
+    resumed = harness.run_recipe(run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    resumed_from = 12 if phase in ("before_link", "during_eviction") else 9
+    assert f"iteration {resumed_from}, step {resumed_from})" in resumed.stdout
+    reference.assert_matches(run_dir)  # also: no temp file and no orphan sidecar left
+
+
+@pytest.mark.slow
+def test_two_crashes_in_a_row_then_rerun_finishes_identically(reference, harness, tmp_path):
+    run_dir = tmp_path / "run"
+    first = harness.run_recipe(run_dir, faults={"CKPT_TEST_CRASH_PHASE": "mid_write:4"})
+    assert first.returncode == 137, first.stderr
+    # The second start crashes at its own 2nd save, after the resume, in another phase.
+    second = harness.run_recipe(run_dir, faults={"CKPT_TEST_CRASH_PHASE": "before_rename:2"})
+    assert second.returncode == 137, second.stderr
+    assert "resumed from" in second.stdout
+
+    third = harness.run_recipe(run_dir)
+    assert third.returncode == 0, third.stderr
+    reference.assert_matches(run_dir)
+
+
+@pytest.mark.slow
+def test_unwrapped_command_line_with_the_full_size_net_resumes_identically(harness, tmp_path):
+    """The same job through plain ``python -m recipes``: the default-width net (~2M
+    parameters, 16 MB checkpoints), no test hooks in the process at all."""
+    unwrapped = ("-m", "recipes")
+    assert harness.run_recipe(tmp_path / "reference", entry=unwrapped).returncode == 0
+    reference = harness.Reference.of(tmp_path / "reference")
+    run_dir = tmp_path / "run"
+    killed = harness.run_and_signal(run_dir, signal.SIGKILL, 6, 0.2, entry=unwrapped)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+    resumed = harness.run_recipe(run_dir, entry=unwrapped)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    reference.assert_matches(run_dir)
