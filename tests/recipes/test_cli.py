@@ -124,10 +124,14 @@ def test_recipe_help_lists_every_key_with_its_default_and_meaning(tmp_path):
 
 
 def test_make_train_passes_recipe_and_args_through():
-    result = subprocess.run(["make", "-n", "train", "RECIPE=cifar", "ARGS=--epochs 3 --lr 0.2"],
-                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    # --no-print-directory and a clean MAKEFLAGS: under `make test` the outer make's flags
+    # would add "Entering/Leaving directory" lines.
+    result = subprocess.run(["make", "--no-print-directory", "-n", "train", "RECIPE=cifar",
+                             "ARGS=--epochs 3 --lr 0.2"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "MAKEFLAGS": ""})
     assert result.returncode == 0
-    assert result.stdout.splitlines()[-1] == ".venv/bin/python -m recipes cifar --epochs 3 --lr 0.2"
+    commands = [line for line in result.stdout.splitlines() if "-m recipes" in line]
+    assert commands == [".venv/bin/python -m recipes cifar --epochs 3 --lr 0.2"]
 
 
 # --- bad input: exit 2, one line, nothing on disk -----------------------------------------
