@@ -338,8 +338,16 @@ def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> in
         print(f"resumed from {info.path} (epoch {trainer.state.epoch}, "
               f"iteration {trainer.state.iteration}, step {trainer.state.optimizer_step})")
     status, exit_code = "completed", 0
+    # A run killed after its final save, or started again once done, has nothing left to
+    # train: Ignite would restart a finished state at iteration 0, on the trained weights.
+    finished = info is not None and (
+        trainer.state.iteration >= config.epochs * len(train_batches)
+        or bool(early_stopping and early_stopping.stopped_early))
+    if finished and rank == 0:
+        print("the run is already complete: nothing left to train")
     try:
-        trainer.run(train_batches.bind(trainer), max_epochs=config.epochs)
+        if not finished:
+            trainer.run(train_batches.bind(trainer), max_epochs=config.epochs)
     except NonFiniteGradientError as error:  # raised by every rank at the same step
         status, exit_code = f"stopped: {error}", 3
         if rank == 0:

@@ -275,8 +275,7 @@ def harness() -> SimpleNamespace:
     return SimpleNamespace(
         run_recipe=run_recipe, run_and_signal=run_and_signal, copy_run=copy_run,
         file_digests=file_digests, final_checkpoint=final_checkpoint, differences=differences,
-        tensorboard_scalars=tensorboard_scalars, checkpoint_files=checkpoint_files,
-        recipe_command=recipe_command, child_env=child_env, Reference=Reference, SIGNALS=SIGNALS,
-        BASE_ARGS=BASE_ARGS, ITERATIONS_PER_EPOCH=ITERATIONS_PER_EPOCH, EPOCHS=EPOCHS,
-        TOTAL_ITERATIONS=TOTAL_ITERATIONS, LOG_EVERY=LOG_EVERY,
+        checkpoint_files=checkpoint_files, Reference=Reference, SIGNALS=SIGNALS,
+        ITERATIONS_PER_EPOCH=ITERATIONS_PER_EPOCH, TOTAL_ITERATIONS=TOTAL_ITERATIONS,
+        LOG_EVERY=LOG_EVERY,
     )

@@ -92,3 +92,17 @@ def test_unwrapped_command_line_with_the_full_size_net_resumes_identically(harne
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
     reference.assert_matches(run_dir)
+
+
+def test_rerun_of_a_finished_run_trains_nothing_and_changes_no_checkpoint(reference, harness,
+                                                                          tmp_path):
+    """As after a kill between the final save and the exit (or a second start by mistake)."""
+    run_dir = harness.copy_run(reference.run_dir, tmp_path / "run")
+    (run_dir / "summary.json").unlink()
+    checkpoints = harness.file_digests(run_dir / "checkpoints")
+
+    rerun = harness.run_recipe(run_dir)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "the run is already complete: nothing left to train" in rerun.stdout
+    assert harness.file_digests(run_dir / "checkpoints") == checkpoints
+    reference.assert_matches(run_dir)
