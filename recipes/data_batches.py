@@ -53,6 +53,11 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
 
 
+def _check_batch_size(batch_size: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+
+
 class _Normalise:
     """uint8 [B,3,H,W] -> float (x/255 - mean)/std, in the chosen memory format."""
 
@@ -110,8 +115,7 @@ class TrainBatches:
     ) -> None:
         _check_images(images, labels)
         _check_rank(rank, world_size)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        _check_batch_size(batch_size)
         if batch_size % world_size:
             raise ValueError(
                 f"batch_size {batch_size} (global) must be divisible by world_size {world_size}"
@@ -229,8 +233,7 @@ class EvalBatches:
     ) -> None:
         _check_images(images, labels)
         _check_rank(rank, world_size)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        _check_batch_size(batch_size)
         n = len(labels)
         lo, hi = rank * n // world_size, (rank + 1) * n // world_size
         self.device = torch.device(device)
