@@ -371,6 +371,8 @@ class Checkpointer:
                 target.load_state_dict(payload[key])
             except Exception as err:  # any failure: name the file and the object
                 raise CheckpointError(path, f"cannot restore {key!r}: {err}") from err
+        if targets.get("checkpointer") is self:
+            self._delete_evicted()  # finish the eviction of a save that was killed midway
         unused = sorted(payload.keys() - targets.keys() - set(RESERVED_KEYS))
         if unused:
             logger.warning("%s also holds %s, which this run does not restore", path, unused)

@@ -19,9 +19,10 @@ class GracefulStop:
     to commit a ``last`` checkpoint, then ``terminate()`` the trainer.
 
     Checks at the trainer's ``Events.ITERATION_COMPLETED`` (only at the end of a
-    window; under several processes with one small all-reduce there, so every rank
-    stops after the same step) and ``Events.EPOCH_COMPLETED`` (after the epoch's evaluation and
-    checkpoint). A second signal while waiting restores Python's default
+    window and not at an epoch's last iteration; under several processes with one
+    small all-reduce there, so every rank stops after the same step) and
+    ``Events.EPOCH_COMPLETED`` (after the epoch's evaluation and checkpoint: attach
+    it after those). A second signal while waiting restores Python's default
     behaviour, so pressing Ctrl-C twice stops at once. ``exit_code`` is 143 or 130
     once a signal was handled, else None. Call ``restore()`` when the run is over.
 
@@ -66,7 +67,12 @@ class GracefulStop:
               "(send it again to stop at once)", flush=True)
 
     def _on_iteration(self, trainer: Trainer) -> None:
-        if window_position(trainer.state, trainer.accum_steps)[1]:
+        # An epoch's last iteration is left to the EPOCH_COMPLETED check, which runs after
+        # the epoch's evaluation: a stop here would commit a checkpoint that skips it.
+        state = trainer.state
+        if state.iteration % state.epoch_length == 0:
+            return
+        if window_position(state, trainer.accum_steps)[1]:
             self._stop(trainer)
 
     def _stop(self, trainer: Trainer) -> None:

@@ -42,9 +42,11 @@ class RunHistory:
         self.stopped_early = False
         self._session_start = time.monotonic()
         self._wall_before_session = 0.0
-        self._epoch_start_iteration = 0
+        self._trainer: Trainer | None = None
+        self._epoch_start: tuple[int, float] | None = None  # (iteration, monotonic) while open
 
     def attach(self, trainer: Trainer, telemetry: GradientTelemetry, evaluator: Engine) -> None:
+        self._trainer = trainer
         telemetry.add_listener(self._on_report)
         evaluator.add_event_handler(Events.COMPLETED, self._on_validation, trainer)
         trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
@@ -64,13 +66,24 @@ class RunHistory:
                 self.val.setdefault(name, []).append(float(value))
 
     def _on_epoch_started(self, trainer: Trainer) -> None:
-        self._epoch_start_iteration = trainer.state.iteration
+        # After a mid-epoch resume this is the resumed iteration: the epoch's earlier part
+        # came in with the checkpoint (see ``state_dict``).
+        self._epoch_start = (trainer.state.iteration, time.monotonic())
 
     def _on_epoch_completed(self, trainer: Trainer) -> None:
+        seconds, samples = self._open_epoch()
         self.epochs_completed = trainer.state.epoch
-        self.train_time_sec += trainer.state.times["EPOCH_COMPLETED"] or 0.0
-        iterations = trainer.state.iteration - self._epoch_start_iteration
-        self.train_samples += iterations * self.batch_size
+        self.train_time_sec += seconds
+        self.train_samples += samples
+        self._epoch_start = None
+
+    def _open_epoch(self) -> tuple[float, int]:
+        """Training seconds and samples of the epoch in progress, in this session."""
+        if self._epoch_start is None or self._trainer is None:
+            return 0.0, 0
+        iteration, started = self._epoch_start
+        samples = (self._trainer.state.iteration - iteration) * self.batch_size
+        return time.monotonic() - started, samples
 
     def _wall_time(self) -> float:
         return self._wall_before_session + time.monotonic() - self._session_start
@@ -78,6 +91,8 @@ class RunHistory:
     def summary(self, trainer: Trainer) -> dict[str, Any]:
         """``summary.json``: final and best metrics, steps, skipped steps, times."""
         accuracy, loss = self.val.get("accuracy", []), self.val.get("loss", [])
+        seconds, samples = self._open_epoch()  # an interrupted run's partial epoch counts
+        train_time, samples = self.train_time_sec + seconds, self.train_samples + samples
         finite = [a for a in accuracy if math.isfinite(a)]
         return {
             "best_val_accuracy": max(finite) if finite else None,
@@ -89,19 +104,20 @@ class RunHistory:
             "optimizer_steps": trainer.state.optimizer_step,
             "skipped_steps": trainer.state.skipped_steps,
             "wall_time_sec": round(self._wall_time(), 3),
-            "train_time_sec": round(self.train_time_sec, 3),
-            "samples_per_sec": (
-                round(self.train_samples / self.train_time_sec, 2) if self.train_time_sec else None
-            ),
+            "train_time_sec": round(train_time, 3),
+            "samples_per_sec": round(samples / train_time, 2) if train_time else None,
         }
 
     def state_dict(self) -> dict[str, Any]:
+        """Totals include the epoch in progress: a checkpoint taken mid-epoch carries the
+        samples and seconds trained so far, and the resumed session adds the rest."""
+        seconds, samples = self._open_epoch()
         return {
             "train": {key: list(values) for key, values in self.train.items()},
             "val": {key: list(values) for key, values in self.val.items()},
             "epochs_completed": self.epochs_completed,
-            "train_time_sec": self.train_time_sec,
-            "train_samples": self.train_samples,
+            "train_time_sec": self.train_time_sec + seconds,
+            "train_samples": self.train_samples + samples,
             "wall_time_sec": self._wall_time(),
             "stopped_early": self.stopped_early,
         }

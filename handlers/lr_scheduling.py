@@ -19,6 +19,8 @@ schedules) only on ``step``.
 """
 
 import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +97,45 @@ class LRSchedulerHandler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)
+
+
+def continue_with_new_settings(
+    handler: LRSchedulerHandler,
+    build: Callable[[], LRSchedulerHandler],
+    *,
+    old_lr: float,
+    new_lr: float,
+    optimizer_steps: int,
+    epochs_completed: int,
+) -> None:
+    """After loading a checkpoint, switch the schedule to a new peak LR or run length.
+
+    The rule: the schedule is the one a fresh run with the new settings would follow,
+    taken from the position reached. ``build()`` makes a scheduler for the new settings
+    (from the optimizer's ``lr``, which is set to ``new_lr`` first); it is stepped
+    ``optimizer_steps`` times (step clock) or ``epochs_completed`` times (epoch clock),
+    and replaces ``handler``'s scheduler. A plateau schedule has no position to replay:
+    the LR it reached is scaled by ``new_lr / old_lr``.
+    """
+    for name, value in (("old_lr", old_lr), ("new_lr", new_lr)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    optimizer = handler.scheduler.optimizer
+    if handler.clock == "metric":
+        for group in optimizer.param_groups:
+            group["lr"] *= new_lr / old_lr
+        return
+    for group in optimizer.param_groups:
+        group["lr"] = new_lr
+        group.pop("initial_lr", None)  # else the new scheduler keeps the old peak
+    fresh = build()
+    if fresh.scheduler.optimizer is not optimizer or fresh.clock != handler.clock:
+        raise ValueError("build() must make the same kind of schedule on the same optimizer")
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(optimizer_steps if fresh.clock == "step" else epochs_completed):
+            fresh.scheduler.step()
+    handler.scheduler = fresh.scheduler
 
 
 def _plain(value: Any) -> Any:

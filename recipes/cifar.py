@@ -32,9 +32,12 @@ from handlers import (
     CheckpointError,
     EarlyStopping,
     GradientTelemetry,
+    Lookahead,
+    LRSchedulerHandler,
     Progress,
     TensorBoardLogger,
     build_scheduler,
+    continue_with_new_settings,
     optimizer_steps_per_epoch,
 )
 from handlers.graceful_stop import GracefulStop
@@ -42,10 +45,11 @@ from handlers.history import RunHistory
 from recipes.cifar_data import CifarArrays, holdout_validation, load_cifar10, make_synthetic, subset
 from recipes.config import ConfigError, field, resume_overrides
 from recipes.curves import plot_curves
-from recipes.data_batches import EvalBatches, TrainBatches
+from recipes.data_batches import FLIPS, EvalBatches, TrainBatches
 from recipes.distributed import (
     BACKENDS,
     Launch,
+    RankZeroSave,
     launched_by_torchrun,
     plan_launch,
     process_device,
@@ -54,11 +58,15 @@ from recipes.distributed import (
     spawn,
 )
 from recipes.errors import USER_ERRORS
-from recipes.models import MODELS, build_model, flip_tta_predict, param_groups
+from recipes.models import MODELS, TTA_PREDICTS, TTAPredict, build_model, param_groups
 from recipes.run_folder import check_run_name, read_saved_config, resolve_run_dir, write_json_atomic
 
 SHARED_CIFAR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 SYNTHETIC_SIZES = (10_000, 2_000)  # train, test samples when no subset is given
+# Lookahead as airbench94 tuned it, in samples rather than steps so that it means the same
+# at any batch size: an update every 5120 samples keeping 0.95**5 (times the ramp), from
+# 30% of the run on.
+LOOKAHEAD_EVERY_SAMPLES, LOOKAHEAD_DECAY, LOOKAHEAD_START = 5 * 1024, 0.95**5, 0.3
 
 
 def _check_resume(value: str) -> str | None:
@@ -70,18 +78,19 @@ def _check_resume(value: str) -> str | None:
 @dataclass
 class Config:
     # fixed_on_resume: keys that shape the saved tensors, or whose value the checkpoint
-    # carries (optimizer hyperparameters, the LR schedule and its length, telemetry cadence,
+    # carries (optimizer hyperparameters, the schedule's kind and shape, telemetry cadence,
     # early stopping): a resume would silently keep the saved value, so a change is refused.
+    # lr and epochs may change: the schedule is rebuilt for them (_follow_new_lr_and_length).
     data_dir: str = field("auto", "CIFAR-10 folder (image folders or python batches); auto: "
                           "../shared/data/cifar10, else data/cifar10 (downloaded if missing)")
     dataset: str = field("cifar10", "data set", choices=("cifar10", "synthetic"),
                          fixed_on_resume=True)
     model: str = field("airbench", "network", choices=tuple(MODELS), fixed_on_resume=True)
-    epochs: int = field(10, "epochs to train", min=1, fixed_on_resume=True)
+    epochs: int = field(10, "epochs to train", min=1)
     batch_size: int = field(256, "global batch size (samples per micro-batch, all processes)",
                             min=1, fixed_on_resume=True)
     lr: float = field(0.375, "peak learning rate (airbench's 1.5 per 1024 samples)", min=0,
-                      min_exclusive=True, fixed_on_resume=True)
+                      min_exclusive=True)
     momentum: float = field(0.85, "SGD momentum", min=0, max=0.999, fixed_on_resume=True)
     nesterov: bool = field(True, "Nesterov momentum", fixed_on_resume=True)
     weight_decay: float = field(1.33e-3, "weight decay (not on biases and norm weights)", min=0,
@@ -97,6 +106,10 @@ class Config:
                                 fixed_on_resume=True)
     crop_padding: int = field(2, "random-translate augmentation, in pixels (0: off)", min=0,
                               max=16)
+    flip: str = field("alternating", "horizontal flips: random in each epoch, or alternating "
+                      "(each image mirrored in every other epoch)", choices=FLIPS)
+    lookahead: bool = field(True, "lookahead weight averaging (from 30% of the run on)",
+                            fixed_on_resume=True)
     precision: str = field("auto", "fp32 | fp16 | bf16 | auto (fp32 on CPU, bf16/fp16 on GPU)",
                            choices=("auto", "fp32", "fp16", "bf16"), fixed_on_resume=True)
     accum_steps: int = field(1, "micro-batches per optimizer step", min=1, fixed_on_resume=True)
@@ -129,7 +142,11 @@ class Config:
                                        "instead of the test split", min=0, max=0.5,
                                        min_exclusive=True, fixed_on_resume=True)
     channels_last: bool = field(True, "channels_last memory format (faster on CPU, measured)")
-    tta: bool = field(True, "evaluate with horizontal-flip test-time augmentation")
+    tta: str = field("mirror", "test-time augmentation of the evaluations during the run",
+                     choices=tuple(TTA_PREDICTS))
+    final_tta: str = field("mirror_translate", "test-time augmentation of the evaluation after "
+                           "the last epoch (mirror_translate: 6 forwards per image)",
+                           choices=tuple(TTA_PREDICTS))
     progress: str = field("auto", "progress display", choices=("auto", "bar", "plain", "off"))
 
 
@@ -243,6 +260,23 @@ def train_process(local_rank: int, config: Config, run_dir: Path, run_id: str) -
     return rank_zero_exit_code(train(config, run_dir, run_id, load_data(config)))
 
 
+def _follow_new_lr_and_length(config: Config, saved: dict, trainer, optimizer,
+                              scheduler: LRSchedulerHandler | None, make_scheduler,
+                              epoch_length: int) -> None:
+    """The resume rule for ``--lr`` and ``--epochs`` (README, "Resuming"): the LR schedule
+    becomes the one a fresh run with the new values would follow, from the step reached."""
+    trainer.state.max_epochs = config.epochs  # else Ignite restarts a run that was done
+    if (saved.get("lr"), saved.get("epochs")) == (config.lr, config.epochs):
+        return
+    if scheduler is None:
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr
+        return
+    continue_with_new_settings(scheduler, make_scheduler, old_lr=saved.get("lr", config.lr),
+                               new_lr=config.lr, optimizer_steps=trainer.state.optimizer_step,
+                               epochs_completed=trainer.state.iteration // epoch_length)
+
+
 def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> int:
     rank, world = idist.get_rank(), idist.get_world_size()
     device = process_device(config.device)
@@ -251,7 +285,7 @@ def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> in
     train_batches = TrainBatches(arrays.train_images, arrays.train_labels, config.batch_size,
                                  seed=config.seed, device=device, rank=rank, world_size=world,
                                  channels_last=config.channels_last,
-                                 crop_padding=config.crop_padding)
+                                 crop_padding=config.crop_padding, flip=config.flip)
     val_batches = EvalBatches(arrays.test_images, arrays.test_labels, 1024 // world,
                               device=device, rank=rank, world_size=world,
                               channels_last=config.channels_last)
@@ -267,22 +301,36 @@ def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> in
     trainer = create_trainer(model, optimizer, loss_fn, device=device,
                              precision=config.precision, accum_steps=config.accum_steps,
                              max_grad_norm=config.max_grad_norm)
-    predict = {"predict": flip_tta_predict} if config.tta else {}
+    predict = TTAPredict(config.tta)
     # Metrics accumulate on the device (no host copy per batch) and are summed over all
     # processes when computed: the result is that of one process seeing every sample.
     metrics = {"accuracy": Accuracy(device=device),
                "loss": Loss(torch.nn.functional.cross_entropy, device=device)}
     evaluator = create_evaluator(model, metrics, device=device, precision=config.precision,
-                                 **predict)
+                                 predict=predict)
     trainer.run_id = run_id
 
     steps_per_epoch = optimizer_steps_per_epoch(len(train_batches), config.accum_steps)
-    scheduler = build_scheduler(
-        config.scheduler, optimizer, steps_per_epoch=steps_per_epoch, epochs=config.epochs,
-        **({"warmup_epochs": config.warmup_epochs,
-            "warmup_start_factor": config.warmup_start_factor,
-            "min_lr_ratio": config.min_lr_ratio} if config.scheduler == "warmup_cosine" else {}),
-        **({"metric": "loss"} if config.scheduler == "plateau" else {}))
+
+    def make_scheduler() -> LRSchedulerHandler | None:
+        return build_scheduler(
+            config.scheduler, optimizer, steps_per_epoch=steps_per_epoch, epochs=config.epochs,
+            **({"warmup_epochs": config.warmup_epochs,
+                "warmup_start_factor": config.warmup_start_factor,
+                "min_lr_ratio": config.min_lr_ratio} if config.scheduler == "warmup_cosine"
+               else {}),
+            **({"metric": "loss"} if config.scheduler == "plateau" else {}))
+
+    scheduler = make_scheduler()
+    lookahead = None
+    if config.lookahead:  # before the checkpoints: a save sees this step's averaging
+        total_steps = steps_per_epoch * config.epochs
+        # At least 10 updates in a run, however short (a smoke run averages too).
+        every = min(round(LOOKAHEAD_EVERY_SAMPLES / (config.batch_size * config.accum_steps)),
+                    total_steps // 10)
+        lookahead = Lookahead(net, total_steps, decay_base=LOOKAHEAD_DECAY, every=max(1, every),
+                              start_step=round(LOOKAHEAD_START * total_steps))
+        lookahead.attach(trainer)
     telemetry = GradientTelemetry(log_every=config.log_every, layer_every=config.log_every * 10)
     telemetry.attach(trainer)
     history = RunHistory(batch_size=config.batch_size)
@@ -296,6 +344,7 @@ def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> in
 
     def evaluate(engine) -> None:
         if engine.state.epoch % config.eval_every == 0 or engine.state.epoch == config.epochs:
+            predict.name = config.final_tta if engine.state.epoch == config.epochs else config.tta
             evaluator.run(val_batches)
 
     trainer.add_event_handler(Events.EPOCH_COMPLETED, evaluate)
@@ -304,6 +353,7 @@ def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> in
                "rng": RngState()}
     to_save |= {"scheduler": scheduler} if scheduler is not None else {}
     to_save |= {"early_stopping": early_stopping} if early_stopping is not None else {}
+    to_save |= {"lookahead": lookahead} if lookahead is not None else {}
     if rank == 0:  # only rank 0 writes; every rank loads the same checkpoint
         tensorboard = TensorBoardLogger(run_dir, hparams=dataclasses.asdict(config),
                                         batch_size=config.batch_size)
@@ -311,21 +361,25 @@ def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> in
     checkpointer = Checkpointer(run_dir / "checkpoints", to_save, run_id=run_id,
                                 config=dataclasses.asdict(config), keep_last=config.keep_last,
                                 metric="accuracy", mode="max")
-    if rank == 0:
-        # Before the saves: a checkpoint taken at an evaluation holds that evaluation's best.
+    if rank == 0:  # before the saves: a checkpoint taken at an evaluation holds its best
         tensorboard.attach(trainer, telemetry, evaluator)
-        evaluator.add_event_handler(Events.COMPLETED, checkpointer.save_best)
-        # Not at an epoch's last iteration: that one is saved at EPOCH_COMPLETED, after
-        # validation, so that a resumed run never skips an epoch's evaluation.
-        trainer.add_event_handler(
-            TrainEvents.OPTIMIZER_STEP(event_filter=lambda engine, step: (
-                step % config.checkpoint_every == 0
-                and engine.state.iteration % engine.state.epoch_length != 0)),
-            checkpointer.save_last)
-        trainer.add_event_handler(Events.EPOCH_COMPLETED, checkpointer.save_last)
+    # Only rank 0 writes, but every rank takes part in each save (RankZeroSave): a failed
+    # save stops all of them.
+    save_last, save_best = RankZeroSave(checkpointer.save_last), RankZeroSave(
+        checkpointer.save_best)
+    evaluator.add_event_handler(Events.COMPLETED, save_best)
+    # Not at an epoch's last iteration: that one is saved at EPOCH_COMPLETED, after
+    # validation, so that a resumed run never skips an epoch's evaluation.
+    trainer.add_event_handler(
+        TrainEvents.OPTIMIZER_STEP(event_filter=lambda engine, step: (
+            step % config.checkpoint_every == 0
+            and engine.state.iteration % engine.state.epoch_length != 0)),
+        save_last)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, save_last)
+    if rank == 0:
         Progress(mode=config.progress).attach(trainer, telemetry)
-    # Every rank stops at a signal (all of them receive Ctrl-C); only rank 0 saves.
-    stop = GracefulStop(checkpointer.save_last if rank == 0 else lambda trainer: None)
+    # Every rank stops at a signal (all of them receive Ctrl-C) and saves together.
+    stop = GracefulStop(save_last)
     stop.attach(trainer)
 
     info = checkpointer.resume(config.resume) if rank == 0 else None
@@ -345,6 +399,9 @@ def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> in
         or bool(early_stopping and early_stopping.stopped_early))
     if finished and rank == 0:
         print("the run is already complete: nothing left to train")
+    if info is not None and not finished:
+        _follow_new_lr_and_length(config, info.meta.get("config") or {}, trainer, optimizer,
+                                  scheduler, make_scheduler, epoch_length=len(train_batches))
     try:
         if not finished:
             trainer.run(train_batches.bind(trainer), max_epochs=config.epochs)
@@ -354,7 +411,8 @@ def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> in
             print(f"error: {error}", file=sys.stderr)
     except CheckpointError as error:  # a save failed (disk full, permission, read-only folder)
         status, exit_code = f"stopped: {error}", 4  # not a usage error: 2 is for those
-        print(f"error: {error}", file=sys.stderr)
+        if rank == 0:  # every rank raises it (RankZeroSave); rank 0 has the cause
+            print(f"error: {error}", file=sys.stderr)
     finally:
         stop.restore()
     if stop.exit_code is not None and exit_code == 0:  # a failed save outranks the signal
@@ -362,7 +420,12 @@ def train(config: Config, run_dir: Path, run_id: str, arrays: CifarArrays) -> in
     if rank == 0:
         history.stopped_early = bool(early_stopping and early_stopping.stopped_early)
         summary = {"status": status, "run_id": run_id, **history.summary(trainer)}
-        write_json_atomic(run_dir / "summary.json", summary)
-        plot_curves(history, run_dir / "curves.png", title=f"cifar {run_dir.name}")
         print(json.dumps(summary, indent=2))
+        try:  # the disk that failed a checkpoint may fail these too: the checkpoints matter
+            write_json_atomic(run_dir / "summary.json", summary)
+            plot_curves(history, run_dir / "curves.png", title=f"cifar {run_dir.name}")
+        except OSError as error:
+            print(f"error: could not write the summary or curves in {run_dir}: "
+                  f"{error.strerror or error}", file=sys.stderr)
+            exit_code = exit_code or 4
     return exit_code

@@ -20,6 +20,7 @@ from ignite.engine import Engine
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 _MASK64 = (1 << 64) - 1
+FLIPS = ("random", "alternating")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -80,7 +81,10 @@ class TrainBatches:
     samples), augmented with parameters drawn for the whole global batch.
     Augmentation: a random crop of the image reflect-padded by ``crop_padding``
     pixels (a random translate by up to that many pixels; 0 disables it) and a
-    horizontal flip with probability 1/2.
+    horizontal flip. ``flip="random"`` flips each image with probability 1/2 in
+    every epoch; ``flip="alternating"`` (airbench's) draws one flip per image for
+    the odd epochs and uses its opposite in the even ones, so every image is seen
+    both ways within two epochs.
 
     Bind it to the engine it feeds (``bind(engine)``) and each epoch reads its
     number and starting batch from ``engine.state``: after
@@ -106,6 +110,7 @@ class TrainBatches:
         device: str | torch.device = "cpu",
         augment: bool = True,
         crop_padding: int = 4,
+        flip: str = "random",
         drop_last: bool = True,
         rank: int = 0,
         world_size: int = 1,
@@ -135,9 +140,16 @@ class TrainBatches:
             0 <= crop_padding < size
         ):
             raise ValueError(f"crop_padding must be an int in [0, {size}), got {crop_padding!r}")
+        if flip not in FLIPS:
+            raise ValueError(f"flip must be one of {FLIPS}, got {flip!r}")
         self.device = torch.device(device)
         self.images = images.to(self.device)
         self.labels = labels.to(self.device, dtype=torch.int64)
+        self.odd_epoch_flips = None
+        if flip == "alternating":  # one draw per sample; epochs are >= 1, so (seed, -1) is
+            generator = torch.Generator(self.device).manual_seed(mix_seed(seed, -1))  # unused
+            self.odd_epoch_flips = torch.rand(len(labels), generator=generator,
+                                              device=self.device) < 0.5
         self.batch_size, self.seed, self.augment = batch_size, seed, augment
         self.crop_padding, self.drop_last = crop_padding, drop_last
         self.rank, self.world_size = rank, world_size
@@ -178,13 +190,15 @@ class TrainBatches:
         for index in range(start, len(self)):
             global_indices = order[index * self.batch_size:(index + 1) * self.batch_size]
             lo, hi = self.rank * local, (self.rank + 1) * local
-            images = self.images[global_indices[lo:hi]]
+            samples = global_indices[lo:hi]
+            images = self.images[samples]
             if self.augment:
-                images = self._augment(images, epoch, index, len(global_indices), lo)
-            yield self.normalise(images), self.labels[global_indices[lo:hi]]
+                images = self._augment(images, samples, epoch, index, len(global_indices), lo)
+            yield self.normalise(images), self.labels[samples]
 
     def _augment(
-        self, images: torch.Tensor, epoch: int, index: int, global_size: int, lo: int
+        self, images: torch.Tensor, samples: torch.Tensor, epoch: int, index: int,
+        global_size: int, lo: int,
     ) -> torch.Tensor:
         """Crop and flip as one gather: output pixel (y, x) of image b reads source pixel
         (reflect(y + dy_b - p), reflect(x + dx_b - p)), with x mirrored when b flips."""
@@ -194,6 +208,8 @@ class TrainBatches:
         shifts = torch.randint(0, 2 * p + 1, (global_size, 2), generator=generator,
                                device=self.device)[lo:lo + n]
         flips = torch.rand(global_size, generator=generator, device=self.device)[lo:lo + n] < 0.5
+        if self.odd_epoch_flips is not None:
+            flips = self.odd_epoch_flips[samples] ^ (epoch % 2 == 0)
         rows = _reflect(torch.arange(h, device=self.device) + shifts[:, :1] - p, h)  # [n,h]
         cols = torch.arange(w, device=self.device).expand(n, w)
         cols = _reflect(torch.where(flips[:, None], cols.flip(1), cols) + shifts[:, 1:] - p, w)

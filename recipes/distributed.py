@@ -25,6 +25,7 @@ import torch
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from engine import resolve_device
+from handlers import CheckpointError
 from recipes.config import ConfigError
 from recipes.errors import USER_ERRORS
 
@@ -149,3 +150,25 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+class RankZeroSave:
+    """Rank 0 saves; every rank learns whether the save worked and raises the same
+    ``CheckpointError`` if not, so all stop together with exit code 4. (A rank that went on
+    alone would wait forever in the next all-reduce for the rank that stopped.) Attach it
+    on every rank at the same events: under several processes it is a collective."""
+
+    def __init__(self, save: Callable[[Any], None]) -> None:
+        self.save = save
+
+    def __call__(self, engine: Any) -> None:
+        error = None
+        if idist.get_rank() == 0:
+            try:
+                self.save(engine)
+            except CheckpointError as raised:
+                error = raised
+        if idist.get_world_size() > 1 and idist.all_reduce(int(error is not None)):
+            error = error or CheckpointError("checkpoint", "rank 0 could not save it")
+        if error is not None:
+            raise error

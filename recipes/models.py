@@ -1,8 +1,8 @@
 """CIFAR-sized image classifiers: a fast default ('airbench') and a CIFAR ResNet-18.
 
 ``build_model(name)`` picks one; ``param_groups`` splits parameters for weight
-decay; ``flip_tta_predict`` is an evaluator ``predict`` hook that averages the
-logits of each image and its mirror image.
+decay; ``TTA_PREDICTS`` holds evaluator ``predict`` hooks for test-time
+augmentation: none, the mirror image, and mirror plus one-pixel translates.
 
 The default network follows the design ideas of Keller Jordan's airbench94
 (a whitening first layer fitted to data patches, three conv groups with max-pool,
@@ -92,6 +92,7 @@ class AirbenchNet(nn.Module):
         super().__init__()
         whiten_channels = 2 * 3 * 2 * 2  # each 2x2x3 patch direction, with both signs
         self.whiten = nn.Conv2d(3, whiten_channels, kernel_size=2, padding=0)
+        nn.init.zeros_(self.whiten.bias)  # whitened patches are centred: start unbiased
         self.body = nn.Sequential(
             nn.GELU(),
             ConvGroup(whiten_channels, widths[0]),
@@ -155,9 +156,62 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
+def plain_predict(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluator ``predict`` hook without test-time augmentation, logits in fp32."""
+    x, y = batch
+    return model(x).float(), y
+
+
+def _mirror_mean(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    logits = model(torch.cat([x, x.flip(-1)]))
+    return logits.float().view(2, x.shape[0], -1).mean(0)
+
+
 def flip_tta_predict(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Evaluator ``predict`` hook: mean of the logits for each image and its horizontal
     mirror (training used random flips, so both are in-distribution), in fp32."""
     x, y = batch
-    logits = model(torch.cat([x, x.flip(-1)]))
-    return logits.float().view(2, x.shape[0], -1).mean(0), y
+    return _mirror_mean(model, x), y
+
+
+def mirror_translate_tta_predict(
+    model: nn.Module, batch: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evaluator ``predict`` hook (airbench's level 2): the mirror mean of the image
+    weighs 1/2, and those of copies shifted by one pixel up-left and down-right
+    (reflect-padded, as in training's translate) 1/4 each. Six forwards per image."""
+    x, y = batch
+    h, w = x.shape[-2:]
+    padded = torch.nn.functional.pad(x, (1, 1, 1, 1), mode="reflect")
+    shifted = [padded[..., :h, :w], padded[..., 2:, 2:]]
+    logits = 0.5 * _mirror_mean(model, x)
+    for view in shifted:
+        logits += 0.25 * _mirror_mean(model, view.contiguous(memory_format=_format_of(x)))
+    return logits, y
+
+
+def _format_of(x: torch.Tensor) -> torch.memory_format:
+    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
+Predict = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
+TTA_PREDICTS: dict[str, Predict] = {
+    "none": plain_predict,
+    "mirror": flip_tta_predict,
+    "mirror_translate": mirror_translate_tta_predict,
+}
+
+
+class TTAPredict:
+    """An evaluator ``predict`` hook whose augmentation (a ``TTA_PREDICTS`` name) may change
+    between evaluations: the recipe spends six forwards per image only on the last one."""
+
+    def __init__(self, name: str) -> None:
+        if name not in TTA_PREDICTS:
+            raise ValueError(f"test-time augmentation must be one of {sorted(TTA_PREDICTS)}, "
+                             f"got {name!r}")
+        self.name = name
+
+    def __call__(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return TTA_PREDICTS[self.name](model, batch)

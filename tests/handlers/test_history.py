@@ -151,6 +151,27 @@ def test_a_resumed_run_has_the_same_summary_as_an_uninterrupted_one():
     assert summary == expected
 
 
+def test_a_checkpoint_taken_mid_epoch_carries_the_samples_trained_so_far():
+    _, full = run(epochs=3)
+    trainer, history = build()
+    saved = {}
+
+    @trainer.on(Events.ITERATION_COMPLETED(once=STEPS_PER_EPOCH + 2))
+    def save_and_stop(engine: Trainer) -> None:
+        saved.update(trainer=engine.state_dict(), history=history.state_dict())
+        engine.terminate()
+
+    trainer.run(range(STEPS_PER_EPOCH), max_epochs=3)
+    assert saved["history"]["train_samples"] == (STEPS_PER_EPOCH + 2) * BATCH_SIZE
+    resumed = RunHistory(batch_size=BATCH_SIZE)
+    resumed.load_state_dict(saved["history"])
+    trainer, resumed = build(resumed)
+    trainer.load_state_dict(saved["trainer"])
+    trainer.run(range(STEPS_PER_EPOCH), max_epochs=3)
+    assert resumed.train_samples == full.train_samples == 3 * STEPS_PER_EPOCH * BATCH_SIZE
+    assert resumed.summary(trainer)["epochs_completed"] == 3
+
+
 @pytest.mark.parametrize("batch_size", [0, -1, 1.5, True, "64"])
 def test_batch_size_must_be_a_positive_int(batch_size):
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):

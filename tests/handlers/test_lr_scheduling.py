@@ -13,6 +13,7 @@ from handlers.lr_scheduling import (
     SCHEDULER_NAMES,
     LRSchedulerHandler,
     build_scheduler,
+    continue_with_new_settings,
     optimizer_steps_per_epoch,
 )
 
@@ -327,3 +328,67 @@ def test_optimizer_steps_per_epoch_counts_the_short_last_window():
     assert optimizer_steps_per_epoch(3, 1) == 3
     with pytest.raises(ValueError, match="accum_steps"):
         optimizer_steps_per_epoch(10, 0)
+
+
+def _drive(optimizer, handler, epochs: range, steps_per_epoch: int = 5) -> list[float]:
+    """Step the schedule by hand: the LR after each optimizer step and each epoch end."""
+    lrs = []
+    for epoch in epochs:
+        for _ in range(steps_per_epoch):
+            optimizer.step()
+            if handler.clock == "step":
+                handler(None)
+            lrs.append(handler.current_lr)
+        if handler.clock != "step":
+            metrics = {"loss": 1.0 / (1 + epoch)}
+            handler(SimpleNamespace(state=SimpleNamespace(metrics=metrics)))
+        lrs.append(handler.current_lr)
+    return lrs
+
+
+@pytest.mark.parametrize("name", [name for name in SCHEDULER_NAMES
+                                  if name not in ("none", "plateau")])
+def test_new_lr_and_length_continue_as_a_fresh_run_with_them_would(name):
+    options = {k: v for k, v in (SCHEDULES[name][0] if name in SCHEDULES else
+                                 {"min_lr_ratio": 0.1}).items() if k != "step_size"}
+    warmup = {"warmup_epochs": 1} if name == "warmup_cosine" else {}
+
+    def build(optimizer, epochs):
+        return build_scheduler(name, optimizer, steps_per_epoch=5, epochs=epochs, **warmup,
+                               **options)
+
+    optimizer = make_optimizer()
+    handler = build(optimizer, 4)
+    _drive(optimizer, handler, range(2))
+    continue_with_new_settings(handler, lambda: build(optimizer, 9), old_lr=LR, new_lr=LR / 2,
+                               optimizer_steps=10, epochs_completed=2)
+
+    fresh_optimizer = make_optimizer()
+    fresh_optimizer.param_groups[0]["lr"] = LR / 2
+    fresh = build(fresh_optimizer, 9)
+    expected = _drive(fresh_optimizer, fresh, range(9))[2 * 6:]
+    assert _drive(optimizer, handler, range(2, 9)) == expected
+    assert max(expected) <= LR / 2 + 1e-12
+
+
+def test_plateau_scales_the_lr_it_reached():
+    optimizer = make_optimizer()
+    handler = build_scheduler("plateau", optimizer, steps_per_epoch=5, epochs=4, metric="loss",
+                              factor=0.5, patience=0)
+    for loss in (1.0, 2.0):  # the second evaluation cuts the LR to 0.05
+        handler(SimpleNamespace(state=SimpleNamespace(metrics={"loss": loss})))
+    continue_with_new_settings(handler, lambda: None, old_lr=LR, new_lr=LR * 3,
+                               optimizer_steps=10, epochs_completed=2)
+    assert handler.current_lr == pytest.approx(LR / 2 * 3)
+
+
+def test_a_different_kind_of_schedule_is_refused():
+    optimizer = make_optimizer()
+    handler = build_scheduler("cosine", optimizer, steps_per_epoch=5, epochs=4)
+    other = build_scheduler("step", make_optimizer(), steps_per_epoch=5, epochs=4)
+    with pytest.raises(ValueError, match="same kind of schedule"):
+        continue_with_new_settings(handler, lambda: other, old_lr=LR, new_lr=LR,
+                                   optimizer_steps=10, epochs_completed=2)
+    with pytest.raises(ValueError, match="new_lr must be a number > 0"):
+        continue_with_new_settings(handler, lambda: other, old_lr=LR, new_lr=0,
+                                   optimizer_steps=10, epochs_completed=2)

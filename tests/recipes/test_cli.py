@@ -7,6 +7,7 @@ subprocess to check the exit status and the real stderr.
 """
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -22,6 +23,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torchvision.io import encode_jpeg
 
+from recipes import cifar
 from recipes.__main__ import main
 from recipes.cifar import SHARED_CIFAR, Config
 from recipes.models import build_model
@@ -37,8 +39,8 @@ TINY = ["--dataset", "synthetic", "--train-subset", "256", "--val-subset", "128"
 TINY_STEPS = 2 * (256 // 64)
 # Smaller still, for resume: 4 steps per epoch, a checkpoint at every step, no TTA.
 RESUMABLE = ["--dataset", "synthetic", "--train-subset", "128", "--val-subset", "32",
-             "--batch-size", "32", "--epochs", "2", "--warmup-epochs", "0.5", "--tta", "false",
-             "--checkpoint-every", "1", "--progress", "off"]
+             "--batch-size", "32", "--epochs", "2", "--warmup-epochs", "0.5", "--tta", "none",
+             "--final-tta", "none", "--checkpoint-every", "1", "--progress", "off"]
 TAGS = ["train/loss", "train/lr", "train/grad_norm", "train/grad_norm_clipped",
         "train/clip_fraction", "train/skipped_steps", "val/loss", "val/accuracy",
         "perf/samples_per_sec", "perf/epoch_time_sec"]
@@ -151,7 +153,7 @@ BAD_INPUT = {
     "scheduler": (["cifar", "--scheduler", "bogus"], ["--scheduler", "'bogus'", "warmup_cosine"]),
     "precision": (["cifar", "--precision", "fp8"], ["--precision", "'fp8'", "bf16"]),
     "device": (["cifar", "--device", "tpu"], ["--device", "tpu", "cuda:N"]),
-    "bool word": (["cifar", "--tta", "maybe"], ["--tta", "true or false"]),
+    "bool word": (["cifar", "--lookahead", "maybe"], ["--lookahead", "true or false"]),
     "run name ..": (["cifar", "--run-name", ".."], ["--run-name", "'..'", "letters, digits"]),
     "run name /": (["cifar", "--run-name", "a/b"], ["--run-name", "'a/b'", "letters, digits"]),
     "run name -": (["cifar", "--run-name", "-x"], ["--run-name", "'-x'", "start with a letter"]),
@@ -312,7 +314,7 @@ def test_tiny_run_draws_the_curves(tiny_run):
 @pytest.mark.parametrize("change, key", [
     (["--model", "resnet18"], "--model"),
     (["--batch-size", "32"], "--batch-size"),
-    (["--epochs", "3"], "--epochs"),
+    (["--momentum", "0.5"], "--momentum"),
 ])
 def test_resume_refuses_to_change_a_fixed_key(tiny_run, change, key, capsys):
     _, run_dir = tiny_run
@@ -340,13 +342,32 @@ def test_resume_never_into_a_folder_with_checkpoints_exits_2(tiny_run, capsys):
     assert snapshot(run_dir) == before
 
 
+def test_a_summary_the_disk_refuses_is_one_error_line_and_exit_4(tmp_path, monkeypatch,
+                                                                  capsys):
+    monkeypatch.chdir(tmp_path)
+    write_json_atomic = cifar.write_json_atomic
+
+    def disk_full_for_the_summary(path: Path, data: dict) -> None:
+        if path.name == "summary.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        write_json_atomic(path, data)
+
+    monkeypatch.setattr(cifar, "write_json_atomic", disk_full_for_the_summary)
+    code = main(["cifar", *RESUMABLE, "--run-name", "full"])
+    err = capsys.readouterr().err
+    assert code == 4
+    assert "error: could not write the summary or curves" in err and "No space left" in err
+    assert (tmp_path / "runs/cifar/full/checkpoints/last.pt").exists()
+
+
 # --- other data ---------------------------------------------------------------------------
 
 
 def test_a_run_on_image_folders(tmp_path):
     write_image_folders(tmp_path / "images")  # 40 training and 20 test images
     result = run_cli(["cifar", "--data-dir", "images", "--batch-size", "20", "--epochs", "2",
-                      "--warmup-epochs", "0.5", "--tta", "false", "--progress", "off",
+                      "--warmup-epochs", "0.5", "--tta", "none", "--final-tta", "none",
+                      "--progress", "off",
                       "--run-name", "folders"], tmp_path)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "cifar" / "folders"
@@ -360,7 +381,8 @@ def test_a_run_on_image_folders(tmp_path):
 def test_a_run_on_a_slice_of_the_real_set(tmp_path):
     """Decoding all 60k JPEGs takes ~12 s here (then the first 512/256 are kept)."""
     result = run_cli(["cifar", "--train-subset", "512", "--val-subset", "256", "--epochs", "1",
-                      "--warmup-epochs", "0.5", "--tta", "false", "--progress", "off",
+                      "--warmup-epochs", "0.5", "--tta", "none", "--final-tta", "none",
+                      "--progress", "off",
                       "--run-name", "real"], tmp_path)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "cifar" / "real"

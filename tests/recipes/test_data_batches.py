@@ -74,6 +74,39 @@ def test_augmentation_is_a_flip_and_a_reflect_padded_translate():
     assert 16 < flipped < 48  # about half the images are mirrored
 
 
+def flipped_by_sample(batches, epoch):
+    """{sample label: whether epoch ``epoch`` showed it mirrored} (crop_padding=0)."""
+    seen = {}
+    for x, y in batches.epoch_batches(epoch):
+        source = normalise(batches.images[y])
+        for k, label in enumerate(y.tolist()):
+            mirrored = torch.allclose(x[k], source[k].flip(-1), atol=1e-5)
+            assert mirrored or torch.allclose(x[k], source[k], atol=1e-5)
+            seen[label] = mirrored
+    return seen
+
+
+def test_alternating_flip_shows_each_image_both_ways_in_two_epochs():
+    images, labels = make_data(n=64)
+    batches = TrainBatches(images, labels, 16, seed=3, crop_padding=0, flip="alternating")
+    first, second, third = (flipped_by_sample(batches, epoch) for epoch in (1, 2, 3))
+    assert 16 < sum(first.values()) < 48  # about half mirrored in the odd epochs
+    assert all(second[k] != first[k] for k in first)
+    assert third == first
+    two_ranks = [TrainBatches(images, labels, 16, seed=3, crop_padding=0, flip="alternating",
+                              rank=r, world_size=2) for r in range(2)]
+    for (x, _), (x0, _), (x1, _) in zip(*(b.epoch_batches(2) for b in [batches, *two_ranks]),
+                                        strict=True):
+        assert torch.equal(torch.cat([x0, x1]), x)
+
+
+def test_random_flip_redraws_every_epoch():
+    images, labels = make_data(n=64)
+    batches = TrainBatches(images, labels, 16, seed=3, crop_padding=0)
+    first, second = flipped_by_sample(batches, 1), flipped_by_sample(batches, 2)
+    assert 0 < sum(first[k] == second[k] for k in first) < 64
+
+
 def test_unbound_iteration_counts_epochs_from_one():
     images, labels = make_data()
     batches = TrainBatches(images, labels, 8, seed=5)
@@ -154,6 +187,8 @@ def test_invalid_arguments_are_refused_by_name():
         TrainBatches(images.float(), labels, 8, seed=0)
     with pytest.raises(ValueError, match="crop_padding"):
         TrainBatches(images, labels, 8, seed=0, crop_padding=-1)
+    with pytest.raises(ValueError, match="flip must be one of"):
+        TrainBatches(images, labels, 8, seed=0, flip="sometimes")
     with pytest.raises(ValueError, match="drop_last=False needs world_size 1"):
         TrainBatches(images, labels, 8, seed=0, drop_last=False, world_size=2)
 

@@ -9,6 +9,7 @@ output, an exception) are injected on one rank with a forward hook keyed on
 torch: these tests are marked slow (about 5 minutes on 2 free cores).
 """
 
+import errno
 import json
 import os
 import signal
@@ -93,18 +94,37 @@ def _train_rank(local_rank: int, config: cifar.Config, run_dir: Path, run_id: st
     count and exit code in ``run_dir/rank<r>.pt``."""
     _install_tiny(fault)
     share_machine(process_device(config.device))
-    exit_code = cifar.train(config, run_dir, run_id, cifar.load_data(config))
+    real_save = torch.save
+    if fault is not None and fault["kind"] == "disk_full" and idist.get_rank() == fault["rank"]:
+        torch.save = _disk_full_from(fault["from_save"], real_save)
+    try:
+        exit_code = cifar.train(config, run_dir, run_id, cifar.load_data(config))
+    finally:
+        torch.save = real_save
     net = _BUILT[-1]
     torch.save({"weights": net.state_dict(), "forward_calls": net.forward_calls,
                 "exit_code": exit_code}, run_dir / f"rank{idist.get_rank()}.pt")
     return rank_zero_exit_code(exit_code)
 
 
+def _disk_full_from(first: int, real_save):
+    """A ``torch.save`` that fails like a full disk from its ``first``-th call on."""
+    calls = [0]
+
+    def save(obj, f, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] >= first:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, f, *args, **kwargs)
+
+    return save
+
+
 def _config(run_dir: Path, **overrides) -> cifar.Config:
     settings = {"dataset": "synthetic", "model": "tiny", "train_subset": 96, "val_subset": 21,
                 "batch_size": 16, "epochs": 2, "lr": 0.05, "warmup_epochs": 0.5,
                 "device": "cpu", "progress": "off", "run_dir": str(run_dir),
-                "checkpoint_every": 4, "log_every": 2, "tta": True}
+                "checkpoint_every": 4, "log_every": 2, "tta": "mirror"}
     return cifar.Config(**(settings | overrides))
 
 
@@ -209,6 +229,19 @@ def test_a_rank_that_raises_ends_every_rank_with_its_error(tmp_path, capfd, kind
     assert f"{what} on rank 1" in stderr
     print(f"{kind}: every process ended {ended_after_sec:.2f} s after rank 1 raised")
     assert not (Path(config.run_dir) / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_a_save_that_fails_on_rank_zero_stops_every_rank_with_exit_4(tmp_path, capfd):
+    config = _config(tmp_path / "run")
+    started = time.time()
+    assert _run(config, 2, new_run_id(), {"rank": 0, "kind": "disk_full",
+                                              "calls": set(), "from_save": 3}) == 4
+    # Without the collective, rank 1 waited in its next all-reduce for the 30 min timeout.
+    assert time.time() - started < 300
+    assert "No space left on device" in capfd.readouterr().err
+    assert [_rank_output(config.run_dir, rank)["exit_code"] for rank in (0, 1)] == [4, 4]
+    assert _summary(config.run_dir)["status"].startswith("stopped: ")
 
 
 @pytest.mark.slow

@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from recipes.models import AirbenchNet, build_model, flip_tta_predict, param_groups
+from recipes.models import (
+    TTA_PREDICTS,
+    AirbenchNet,
+    build_model,
+    flip_tta_predict,
+    param_groups,
+)
 
 
 def count(model, trainable_only=False):
@@ -64,6 +70,30 @@ def test_flip_tta_averages_logits_of_the_image_and_its_mirror():
         expected = (model(x) + model(x.flip(-1))) / 2
     torch.testing.assert_close(logits, expected)
     assert labels is y
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_mirror_translate_tta_weighs_six_views_by_hand(channels_last):
+    model = build_model("airbench").eval()
+    x, y = torch.randn(3, 3, 32, 32), torch.arange(3)
+    padded = torch.nn.functional.pad(x, (1, 1, 1, 1), mode="reflect")
+    up_left, down_right = padded[..., :32, :32], padded[..., 2:, 2:]
+    assert torch.equal(up_left[..., 1:, 1:], x[..., :31, :31])  # the content moved by one
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        logits, labels = TTA_PREDICTS["mirror_translate"](model, (x, y))
+        views = [model(v) + model(v.flip(-1)) for v in (x, up_left, down_right)]
+        expected = views[0] / 4 + views[1] / 8 + views[2] / 8
+    torch.testing.assert_close(logits, expected)
+    assert labels is y
+
+
+def test_no_tta_is_the_plain_forward():
+    model = build_model("airbench").eval()
+    x, y = torch.randn(2, 3, 32, 32), torch.arange(2)
+    with torch.no_grad():
+        torch.testing.assert_close(TTA_PREDICTS["none"](model, (x, y))[0], model(x))
 
 
 def test_default_model_learns_a_separable_toy_problem():

@@ -1,6 +1,8 @@
 """Config on resume. Keys whose value the checkpoint carries or whose shape it holds are
-refused, naming the key, before anything is written; the others win, are logged as
-``override: key old -> new`` and change nothing in the training itself."""
+refused, naming the key, before anything is written; the others win and are logged as
+``override: key old -> new``: most change nothing in the training itself, and a new
+``lr`` or ``epochs`` makes the LR schedule that of a fresh run with the new values, from
+the step reached."""
 
 import json
 
@@ -15,8 +17,8 @@ pytestmark = pytest.mark.reliability
 FIXED = {
     "model": "resnet18", "batch-size": "64", "precision": "bf16", "seed": "1",
     "scheduler": "cosine", "accum-steps": "2", "train-subset": "128", "dataset": "cifar10",
-    "epochs": "4", "lr": "0.05", "momentum": "0.5", "weight-decay": "0", "log-every": "5",
-    "patience": "2",
+    "momentum": "0.5", "weight-decay": "0", "log-every": "5", "patience": "2",
+    "warmup-epochs": "1", "lookahead": "false",
 }
 
 
@@ -52,3 +54,36 @@ def test_overrides_that_fit_are_logged_applied_and_leave_training_identical(
     for key in ("model", "optimizer", "scaler", "scheduler", "trainer", "rng", "telemetry",
                 "tensorboard"):
         assert harness.differences(state[key], reference.state[key]) == [], key
+
+
+@pytest.mark.slow
+def test_new_lr_and_epochs_follow_the_schedule_of_a_fresh_run_with_them(
+        interrupted_run, harness, tmp_path):
+    run_dir = harness.copy_run(interrupted_run, tmp_path / "run")  # resumes at step 15
+    changed = ("--lr", "0.2", "--epochs", "4")
+    resumed = harness.run_recipe(run_dir, *changed)
+    assert resumed.returncode == 0, resumed.stderr
+    lines = resumed.stdout.splitlines()
+    assert "override: lr 0.375 -> 0.2" in lines and "override: epochs 3 -> 4" in lines
+    fresh_dir = tmp_path / "fresh"
+    assert harness.run_recipe(fresh_dir, *changed).returncode == 0
+
+    lrs, expected = (harness.tensorboard_scalars(d, "train/lr") for d in (run_dir, fresh_dir))
+    after_resume = {step: values for step, values in lrs.items() if step > 15}
+    assert sorted(after_resume) == list(range(16, 4 * harness.ITERATIONS_PER_EPOCH + 1, 2))
+    for step, values in after_resume.items():  # the killed session logged 16 and 18 too
+        assert values[-1:] == expected[step], f"train/lr at step {step}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["epochs_completed"], summary["optimizer_steps"]) == (4, 32)
+    assert json.loads((run_dir / "config.json").read_text())["config"]["lr"] == 0.2
+
+
+@pytest.mark.slow
+def test_more_epochs_after_a_finished_run_train_on(reference, harness, tmp_path):
+    run_dir = harness.copy_run(reference.run_dir, tmp_path / "run")
+    resumed = harness.run_recipe(run_dir, "--epochs", "4")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "override: epochs 3 -> 4" in resumed.stdout.splitlines()
+    state = harness.final_checkpoint(run_dir)
+    assert state["meta"]["iteration"] == 4 * harness.ITERATIONS_PER_EPOCH
+    assert state["history"]["epochs_completed"] == 4

@@ -37,8 +37,6 @@ def test_kill_at_a_position_resumes_from_the_checkpoint_before_it(position, refe
     reference.assert_matches(run_dir)
 
 
-@pytest.mark.xfail(strict=True, reason="RunHistory counts an epoch's samples from where the "
-                   "session began it: a mid-epoch resume loses the samples before the checkpoint")
 def test_samples_trained_count_the_whole_run_after_a_mid_epoch_resume(interrupted_run, harness,
                                                                       tmp_path):
     run_dir = harness.copy_run(interrupted_run, tmp_path / "run")  # resumes at iteration 15
