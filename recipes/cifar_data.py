@@ -11,6 +11,7 @@ as uint8); ``recipes.data_batches`` turns it into batches on the device.
 (50, 10)
 """
 
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -61,9 +62,13 @@ def load_cifar10(data_dir: Path, download: bool = True) -> CifarArrays:
     )
     if not download:
         raise DataError(f"no CIFAR-10 found in {data_dir} (download disabled): {ways}")
+    # Folders the download creates; on failure they go again (nothing in them is ours).
+    created = [folder for folder in (data_dir, *data_dir.parents) if not folder.exists()]
     try:
         download_python_batches(data_dir)
     except Exception as error:  # any failure to fetch means the same thing to the user
+        if created:
+            shutil.rmtree(created[-1], ignore_errors=True)
         raise DataError(f"no CIFAR-10 found in {data_dir} and the download failed "
                         f"({type(error).__name__}: {error}): {ways}") from error
     return _load_python_batches(data_dir)

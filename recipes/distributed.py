@@ -66,10 +66,10 @@ def plan_launch(nproc: int, backend: str, device: str, batch_size: int) -> Launc
                           f"{world_size} processes")
     if backend == "auto":
         backend = "nccl" if resolved.type == "cuda" else "gloo"
+    if backend == "nccl" and resolved.type != "cuda":  # even where one process needs none
+        raise ConfigError("--backend nccl needs CUDA devices; processes on the CPU "
+                          "use --backend gloo (or auto)")
     if world_size > 1:
-        if backend == "nccl" and resolved.type != "cuda":
-            raise ConfigError("--backend nccl needs CUDA devices; processes on the CPU "
-                              "use --backend gloo (or auto)")
         if resolved.type == "cuda" and resolved.index is not None:
             raise ConfigError(f"--device {device}: each process uses cuda:<local rank>; "
                               "use --device cuda or auto")

@@ -79,14 +79,16 @@ def test_wrong_image_size_raises_data_error(tmp_path):
 
 def test_missing_data_and_failed_download_explain_where_and_how(tmp_path, monkeypatch):
     def offline(data_dir):
+        (data_dir / "cifar-10-python.tar.gz").parent.mkdir(parents=True)  # as torchvision does
         raise OSError("network unreachable")
 
     monkeypatch.setattr(cifar_data, "download_python_batches", offline)
     with pytest.raises(DataError) as raised:
-        load_cifar10(tmp_path / "nothing")
+        load_cifar10(tmp_path / "data" / "nothing")
     message = str(raised.value)
-    assert str(tmp_path / "nothing") in message and "network unreachable" in message
+    assert str(tmp_path / "data" / "nothing") in message and "network unreachable" in message
     assert "train/<class>" in message and "cifar-10-batches-py" in message
+    assert list(tmp_path.iterdir()) == []  # the folder the failed download made is gone
     with pytest.raises(DataError, match="download disabled"):
         load_cifar10(tmp_path / "nothing", download=False)
 

@@ -306,6 +306,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     (("--nproc", "2", "--batch-size", "33"), {},
      "--batch-size 33 (global) must be divisible by the 2 processes"),
     (("--nproc", "2", "--backend", "nccl", "--device", "cpu"), {}, "--backend nccl needs CUDA"),
+    (("--backend", "nccl", "--device", "cpu"), {}, "--backend nccl needs CUDA"),
     (("--nproc", "2"), {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
      "--nproc 2: torchrun already started 2 process(es)"),
     (("--batch-size", "33"), {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
