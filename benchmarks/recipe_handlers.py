@@ -11,7 +11,10 @@ each so that every arm trains the same weights or pays only engine costs:
   history) but is not run: validation is model compute, not engine overhead;
 - ``last`` is saved at every ``EPOCH_COMPLETED`` only, not every ``checkpoint_every``
   optimizer steps; the save's cost is measured as part of the run's end instead;
-- progress is the real ``Progress`` in plain mode, printing to /dev/null.
+- progress is the real ``Progress`` in plain mode, printing to /dev/null;
+- ``Lookahead`` is left out: it changes the weights, so the arms would no longer train
+  the same; its cost is one in-place average of the weights every 20 optimizer steps
+  at the recipe's batch size (added after docs/benchmarks.md was measured).
 """
 
 import dataclasses
