@@ -171,6 +171,8 @@ def load_data(config: Config) -> CifarArrays:
 
 def prepare(config: Config, given: set[str]) -> tuple[Path, str, list[str]]:
     """Resolve the run folder and run id; on resume, merge the saved config. Writes nothing."""
+    if "run_name" in given and not config.run_name:
+        raise ConfigError("--run-name: must not be empty; leave it out for a timestamp")
     run_dir = resolve_run_dir("cifar", config.run_name, config.run_dir)
     saved = read_saved_config(run_dir)
     has_checkpoints = any((run_dir / "checkpoints").glob("*.pt"))

@@ -47,6 +47,7 @@ BAD_INPUTS = {
     "run_name_with_dotdot": (("--run-name", "../existing"), "--run-name"),
     "run_name_with_slash": (("--run-name", "cifar/existing"), "--run-name"),
     "run_name_over_64_chars": (("--run-name", "r" * 65), "--run-name"),
+    "run_name_empty": (("--run-name", ""), "--run-name"),
     "unknown_key": ((*EXISTING, "--learning-rate", "0.1"), "--learning-rate"),
     "negative_lr": ((*EXISTING, "--lr", "-0.1"), "--lr"),
     "accum_steps_0": ((*EXISTING, "--accum-steps", "0"), "--accum-steps"),
