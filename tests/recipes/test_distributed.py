@@ -31,7 +31,7 @@ from recipes.__main__ import main as cli
 from recipes.cifar_data import DataError
 from recipes.data_batches import EvalBatches
 from recipes.distributed import process_device, rank_zero_exit_code, share_machine, spawn
-from recipes.models import flip_tta_predict
+from recipes.models import TTA_PREDICTS
 
 REPO = Path(__file__).resolve().parents[2]
 _BUILT: list[nn.Module] = []  # the tiny nets built in this process, newest last
@@ -248,14 +248,15 @@ def test_a_save_that_fails_on_rank_zero_stops_every_rank_with_exit_4(tmp_path, c
 def test_validation_on_two_ranks_equals_one_process_evaluating_the_checkpoint(tmp_path):
     # 1025 samples: 512 (one batch) on rank 0, 513 (two batches) on rank 1; and BatchNorm
     # statistics that each rank last updated with its own half of the training batch.
-    config = _config(tmp_path / "run", model="tiny_bn", epochs=1, val_subset=1025)
+    config = _config(tmp_path / "run", model="tiny_bn", epochs=1, val_subset=1025,
+                     final_tta="mirror_translate")
     assert _run(config, 2, new_run_id()) == 0
 
     net = TinyNet(batch_norm=True)
     net.load_state_dict(_final_weights(config.run_dir))  # saved right after that validation
     arrays = cifar.load_data(config)
     metrics = {"accuracy": Accuracy(), "loss": Loss(torch.nn.functional.cross_entropy)}
-    evaluator = create_evaluator(net, metrics, predict=flip_tta_predict)
+    evaluator = create_evaluator(net, metrics, predict=TTA_PREDICTS["mirror_translate"])
     alone = evaluator.run(EvalBatches(arrays.test_images, arrays.test_labels, 1024)).metrics
     assert 0 < alone["accuracy"] < 1  # a mix of right and wrong: a wrong count would show
     summary = _summary(config.run_dir)
