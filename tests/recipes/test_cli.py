@@ -172,8 +172,7 @@ BAD_INPUT = {
                                 ["--val-fraction", "leaves 0 for validation"]),
     "missing data dir": (["cifar", "--data-dir", "nowhere/cifar10"],
                          ["no CIFAR-10 found in nowhere/cifar10", "train/<class>/*.jpg"]),
-    "empty run name means a timestamp": (["cifar", "--run-name", "", "--data-dir", "nowhere"],
-                                         ["no CIFAR-10 found in nowhere"]),
+    "empty run name": (["cifar", "--run-name", ""], ["--run-name", "must not be empty"]),
 }
 
 
