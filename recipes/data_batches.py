@@ -146,8 +146,9 @@ class TrainBatches:
         self.images = images.to(self.device)
         self.labels = labels.to(self.device, dtype=torch.int64)
         self.odd_epoch_flips = None
-        if flip == "alternating":  # one draw per sample; epochs are >= 1, so (seed, -1) is
-            generator = torch.Generator(self.device).manual_seed(mix_seed(seed, -1))  # unused
+        if flip == "alternating":
+            # One draw per sample, from a seed no epoch uses: epochs count from 1.
+            generator = torch.Generator(self.device).manual_seed(mix_seed(seed, -1))
             self.odd_epoch_flips = torch.rand(len(labels), generator=generator,
                                               device=self.device) < 0.5
         self.batch_size, self.seed, self.augment = batch_size, seed, augment
@@ -207,8 +208,10 @@ class TrainBatches:
         # Parameters for the whole global batch, so every rank slices the same draw.
         shifts = torch.randint(0, 2 * p + 1, (global_size, 2), generator=generator,
                                device=self.device)[lo:lo + n]
-        flips = torch.rand(global_size, generator=generator, device=self.device)[lo:lo + n] < 0.5
-        if self.odd_epoch_flips is not None:
+        if self.odd_epoch_flips is None:
+            flips = torch.rand(global_size, generator=generator,
+                               device=self.device)[lo:lo + n] < 0.5
+        else:
             flips = self.odd_epoch_flips[samples] ^ (epoch % 2 == 0)
         rows = _reflect(torch.arange(h, device=self.device) + shifts[:, :1] - p, h)  # [n,h]
         cols = torch.arange(w, device=self.device).expand(n, w)

@@ -37,10 +37,12 @@ CLI_TIMEOUT_SEC = 600  # a hung run fails its test instead of hanging the suite
 TINY = ["--dataset", "synthetic", "--train-subset", "256", "--val-subset", "128",
         "--batch-size=64", "--epochs=2", "--warmup-epochs", "0.5", "--progress", "off"]
 TINY_STEPS = 2 * (256 // 64)
+# Half an epoch of warmup, no test-time augmentation, no progress display.
+QUICK_EVAL = ["--warmup-epochs", "0.5", "--tta", "none", "--final-tta", "none",
+              "--progress", "off"]
 # Smaller still, for resume: 4 steps per epoch, a checkpoint at every step, no TTA.
 RESUMABLE = ["--dataset", "synthetic", "--train-subset", "128", "--val-subset", "32",
-             "--batch-size", "32", "--epochs", "2", "--warmup-epochs", "0.5", "--tta", "none",
-             "--final-tta", "none", "--checkpoint-every", "1", "--progress", "off"]
+             "--batch-size", "32", "--epochs", "2", *QUICK_EVAL, "--checkpoint-every", "1"]
 TAGS = ["train/loss", "train/lr", "train/grad_norm", "train/grad_norm_clipped",
         "train/clip_fraction", "train/skipped_steps", "val/loss", "val/accuracy",
         "perf/samples_per_sec", "perf/epoch_time_sec"]
@@ -365,9 +367,7 @@ def test_a_summary_the_disk_refuses_is_one_error_line_and_exit_4(tmp_path, monke
 def test_a_run_on_image_folders(tmp_path):
     write_image_folders(tmp_path / "images")  # 40 training and 20 test images
     result = run_cli(["cifar", "--data-dir", "images", "--batch-size", "20", "--epochs", "2",
-                      "--warmup-epochs", "0.5", "--tta", "none", "--final-tta", "none",
-                      "--progress", "off",
-                      "--run-name", "folders"], tmp_path)
+                      *QUICK_EVAL, "--run-name", "folders"], tmp_path)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "cifar" / "folders"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -380,9 +380,7 @@ def test_a_run_on_image_folders(tmp_path):
 def test_a_run_on_a_slice_of_the_real_set(tmp_path):
     """Decoding all 60k JPEGs takes ~12 s here (then the first 512/256 are kept)."""
     result = run_cli(["cifar", "--train-subset", "512", "--val-subset", "256", "--epochs", "1",
-                      "--warmup-epochs", "0.5", "--tta", "none", "--final-tta", "none",
-                      "--progress", "off",
-                      "--run-name", "real"], tmp_path)
+                      *QUICK_EVAL, "--run-name", "real"], tmp_path)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "cifar" / "real"
     summary = json.loads((run_dir / "summary.json").read_text())
