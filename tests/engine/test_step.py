@@ -19,6 +19,8 @@ OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
 }
 CLIP_NORM = 0.5  # below most pre-clip norms of the tiny MLP (0.45-0.8), so clipping bites
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))]
 
 
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
@@ -38,17 +40,18 @@ def assert_same_weights(actual: nn.Module, expected: nn.Module) -> None:
         assert torch.equal(got, expected_weights[name]), f"{name} differs"
 
 
-def reference_loop(model, optimizer, data, precision, accum_steps, max_grad_norm, epochs):
+def reference_loop(model, optimizer, data, precision, accum_steps, max_grad_norm, epochs,
+                   device="cpu"):
     """The canonical order, written out by hand; returns the pre-clip norm of every window."""
     dtype = AUTOCAST_DTYPES[precision]
-    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
     norms = []
     for _ in range(epochs):
         for start in range(0, len(data), accum_steps):
             window = data[start : start + accum_steps]  # an epoch's last window may be shorter
             for x, y in window:
                 model.train()
-                with torch.autocast("cpu", dtype=dtype) if dtype else nullcontext():
+                with torch.autocast(device, dtype=dtype) if dtype else nullcontext():
                     loss = F.cross_entropy(model(x), y)
                 scaler.scale(loss / len(window)).backward()
             scaler.unscale_(optimizer)
@@ -66,16 +69,19 @@ def reference_loop(model, optimizer, data, precision, accum_steps, max_grad_norm
 @pytest.mark.parametrize("max_grad_norm", [None, CLIP_NORM], ids=["no_clip", "clip"])
 @pytest.mark.parametrize("accum_steps", [1, 3])
 @pytest.mark.parametrize("precision", AUTOCAST_DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
 def test_trainer_matches_the_hand_written_loop_bit_for_bit(
-    precision, accum_steps, max_grad_norm, optimizer_name, make_mlp, make_batches
+    device, precision, accum_steps, max_grad_norm, optimizer_name, make_mlp, make_batches
 ):
-    data = make_batches(10)  # 10 micro-batches: with accum_steps=3 the windows are 3, 3, 3, 1
+    # 10 micro-batches: with accum_steps=3 the windows are 3, 3, 3, 1
+    data = [(x.to(device), y.to(device)) for x, y in make_batches(10)]
     make_optimizer = OPTIMIZERS[optimizer_name]
-    model, reference = make_mlp(), make_mlp()
+    model, reference = make_mlp().to(device), make_mlp().to(device)
     trainer = create_trainer(
         model,
         make_optimizer(model.parameters()),
         F.cross_entropy,
+        device=device,
         precision=precision,
         accum_steps=accum_steps,
         max_grad_norm=max_grad_norm,
@@ -94,13 +100,14 @@ def test_trainer_matches_the_hand_written_loop_bit_for_bit(
         accum_steps,
         max_grad_norm,
         epochs=2,
+        device=device,
     )
-    # Same ops in the same order on a deterministic CPU: bit-identical in fp16 and bf16 too,
+    # Same ops in the same order, on the CPU or one GPU: bit-identical in fp16 and bf16 too,
     # so no tolerance is needed anywhere.
     assert_same_weights(model, reference)
     assert len(engine_norms) == len(reference_norms) == 2 * len(range(0, 10, accum_steps))
     assert all(torch.equal(a, b) for a, b in zip(engine_norms, reference_norms, strict=True))
-    assert not torch.equal(model[0].weight, make_mlp()[0].weight)  # it did train
+    assert not torch.equal(model[0].weight, make_mlp().to(device)[0].weight)  # it did train
     if max_grad_norm is not None:
         assert any(norm > max_grad_norm for norm in reference_norms)  # clipping did bite
 
@@ -138,9 +145,11 @@ def test_optimizer_step_clock_closes_every_epochs_last_window(make_mlp, make_bat
     assert skipped == [] and trainer.state.skipped_steps == 0
 
 
-def test_fp16_inf_gradient_skips_its_step_and_fires_step_skipped(make_mlp, make_batches):
-    model = make_mlp()
-    trainer = create_trainer(model, sgd(model), F.cross_entropy, precision="fp16", accum_steps=4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_inf_gradient_skips_its_step_and_fires_step_skipped(device, make_mlp, make_batches):
+    model = make_mlp().to(device)
+    trainer = create_trainer(model, sgd(model), F.cross_entropy, device=device,
+                             precision="fp16", accum_steps=4)
     model[0].weight.register_hook(
         lambda grad: grad * float("inf") if trainer.state.iteration == 6 else grad
     )

@@ -447,3 +447,32 @@ def test_sigterm_saves_and_stops_then_the_same_command_finishes_bit_identical(
     assert "override: keep_last 3 -> 2" in resumed.stdout and "resumed from" in resumed.stdout
     assert_bit_identical(final_weights(run_dir), uninterrupted)
     assert len(list((run_dir / "checkpoints").glob("step-*.pt"))) <= 2
+
+
+# --- on a GPU (skipped without one) ---------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["auto", "fp16"])
+def test_on_cuda_a_killed_run_resumes_bit_identical(precision, tmp_path):
+    """On the GPU (auto: bf16; fp16: with its GradScaler, whose scale is in the checkpoint)
+    the killed-and-resumed run ends with the uninterrupted run's weights, bit for bit."""
+    args = ["cifar", *RESUMABLE, "--device", "cuda", "--precision", precision]
+    full = run_cli([*args, "--run-name", "full"], tmp_path)
+    assert full.returncode == 0, full.stderr
+    full_dir = tmp_path / "runs" / "cifar" / "full"
+    summary = json.loads((full_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["optimizer_steps"] == 8
+    saved = json.loads((full_dir / "config.json").read_text())["config"]
+    assert (saved["device"], saved["precision"]) == ("cuda", precision)
+
+    killed_args = [*args, "--run-name", "killed"]
+    killed = run_cli(killed_args, tmp_path, CKPT_TEST_CRASH_PHASE="before_temp:3")
+    assert killed.returncode == 137
+    resumed = run_cli(killed_args, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "iteration 2, step 2)" in resumed.stdout
+    assert_bit_identical(final_weights(tmp_path / "runs" / "cifar" / "killed"),
+                         final_weights(full_dir))
