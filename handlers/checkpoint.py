@@ -1,76 +1,48 @@
 """Crash-safe checkpoints: the newest, the best by a metric, and a short history.
 
-Layout of the checkpoint folder::
-
-    step-00001200.pt        one per save_last, named by optimizer step; newest ``keep_last`` kept
-    step-00001200.pt.json   its sidecar: sha256 and size of the .pt, run id, position, kind
-    best-step-00000900.pt   (+ .json) one per new top-``keep_best`` score
-    last.pt, last.pt.json   hard links to the newest committed checkpoint of either kind
-    best.pt, best.pt.json   hard links to the best one
-
-Every file is written temp file → ``torch.save`` → flush + fsync → ``os.replace`` →
-fsync of the folder; its sidecar is written the same way *after* the .pt is in place,
-then ``last.pt``/``best.pt`` are switched (``os.link`` to a temp name, ``os.replace``),
-and only then is anything that retention evicts deleted. A crash at any instant leaves
-the previous checkpoint and its sidecar untouched. A .pt is trusted only when its
-sidecar exists and the sha256 and size match, so a half-written or half-switched pair
-is detected and the previous checkpoint is used. Hard links keep the data of ``last.pt``
-and ``best.pt`` alive whatever retention deletes (the folder must support hard links).
-
-Test-only fault injection, off unless set: with ``CKPT_TEST_CRASH_PHASE=PHASE`` or
-``PHASE:N`` in the environment when the Checkpointer is built, the process calls
-``os._exit(137)`` the first time it reaches PHASE in or after its N-th save (default 1).
-PHASE is one of ``before_temp``, ``mid_write``
-(a partly written temp file), ``before_rename``, ``before_dir_fsync`` (each in the .pt
-write), ``before_sidecar``, ``before_link`` (before the last/best switch) and
-``during_eviction`` (after the first evicted .pt is deleted, before its sidecar).
+The ``Checkpointer`` decides what is saved when, what retention keeps, and which file a run
+resumes from; ``handlers.checkpoint_files`` holds the file format and the crash-safe writes.
+A save writes the .pt, then its sidecar, then switches ``last.pt``/``best.pt``, and only then
+deletes what retention evicts: a crash at any instant leaves the previous checkpoint and its
+sidecar untouched, and a half-written or half-switched pair fails verification, so the resume
+falls back to the previous checkpoint. ``handlers.crash_points`` can kill a save at each of
+those phases (test-only).
 """
 
-import hashlib
 import json
 import logging
 import math
 import os
-import re
-import secrets
-import tempfile
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from ignite.engine import Engine
-from torch import nn
 
 from engine import Trainer
+from handlers.checkpoint_files import (
+    CHECKPOINT_NAME,
+    FORMAT_VERSION,
+    RESERVED_KEYS,
+    TEMP_NAME,
+    CheckpointError,
+    claimed_position,
+    fsync_dir,
+    link_atomically,
+    read_checkpoint,
+    sha256_of,
+    sidecar_of,
+    unloadable_entry,
+    write_atomically,
+)
+from handlers.crash_points import CrashPoints
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 MODES = ("max", "min")
-CRASH_ENV = "CKPT_TEST_CRASH_PHASE"
-CRASH_PHASES = (
-    "before_temp", "mid_write", "before_rename", "before_dir_fsync",
-    "before_sidecar", "before_link", "during_eviction",
-)
-RESERVED_KEYS = ("meta", "checkpointer")
-SIDECAR_KEYS = {"format_version", "sha256", "size_bytes", "run_id", "iteration", "optimizer_step"}
-_CHECKPOINT_NAME = re.compile(r"^(best-)?step-(\d+)\.pt$")
-_TEMP_NAME = re.compile(r"^\.((best-)?step-\d+|last|best)\.pt(\.json)?\..+\.tmp$")
-_PLAIN_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.Size, torch.dtype,
-                torch.device)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, verified or loaded; ``path`` and ``reason`` say which
-    and why. The command line turns it into exit status 2."""
-
-    def __init__(self, path: str | os.PathLike, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path, self.reason = Path(path), reason
 
 
 @dataclass(frozen=True)
@@ -129,7 +101,7 @@ class Checkpointer:
             raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
         if config is not None and not isinstance(config, dict):
             raise ValueError(f"config must be a dict or None, got {type(config).__name__}")
-        unloadable_config = None if config is None else _unloadable_entry(config, "config")
+        unloadable_config = None if config is None else unloadable_entry(config, "config")
         if unloadable_config:
             raise ValueError(f"config must hold plain values: {unloadable_config}")
         for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
@@ -150,8 +122,7 @@ class Checkpointer:
         self.run_id, self.config = run_id, config
         self.keep_last, self.keep_best, self.metric, self.mode = keep_last, keep_best, metric, mode
         self.file_mode = file_mode
-        self._crash_at = _parse_crash_env()
-        self._saves_started = 0  # this process's saves, for the crash hook only
+        self._crash = CrashPoints()  # test-only fault injection, off unless its variable is set
         self._history: list[str] = []  # oldest first
         self._best: list[dict[str, Any]] = []  # {"file", "score"}, best first
         self._evict: list[str] = []  # committed as evicted, deletion not yet confirmed
@@ -273,90 +244,56 @@ class Checkpointer:
                 "metric": None if score is None else {"name": self.metric, "value": score},
                 "saved_at_unix": time.time()}
         payload["meta"] = {**meta, "config": self.config}
-        unloadable = _unloadable_entry(payload)
+        unloadable = unloadable_entry(payload)
         if unloadable:
             raise CheckpointError(path, unloadable)
-        self._saves_started += 1
+        self._crash.save_started()
+        writing = {"file_mode": self.file_mode, "crash": self._crash}
         try:
-            self._write_atomically(path, lambda file: torch.save(payload, file))
-            self._crash_point("before_sidecar")
+            write_atomically(path, lambda file: torch.save(payload, file), **writing)
+            self._crash.reach("before_sidecar")
             sidecar = {**meta, "file": name, "size_bytes": path.stat().st_size,
-                       "sha256": _sha256(path)}
-            self._write_atomically(_sidecar_of(path),
-                                   lambda file: file.write(json.dumps(sidecar, indent=1).encode()))
-            self._crash_point("before_link")
-            self._link(path, "last.pt")
+                       "sha256": sha256_of(path)}
+            write_atomically(sidecar_of(path),
+                             lambda file: file.write(json.dumps(sidecar, indent=1).encode()),
+                             **writing)
+            self._crash.reach("before_link")
+            link_atomically(path, self.dirname / "last.pt")
             if best and best[0]["file"] == name:
-                self._link(path, "best.pt")
-            _fsync_dir(self.dirname)
+                link_atomically(path, self.dirname / "best.pt")
+            fsync_dir(self.dirname)
         except OSError as err:
             raise CheckpointError(path, f"could not save: {err}") from err
         self._history, self._best, self._evict = history, best, evict
         self._last_iteration, self._best_iteration = state.iteration, best_iteration
         self._delete_evicted()
 
-    def _write_atomically(self, path: Path, write: Callable[[BinaryIO], Any]) -> None:
-        self._crash_point("before_temp")
-        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as file:
-                os.fchmod(file.fileno(), self.file_mode)
-                write(file)
-                self._crash_point("mid_write")
-                file.flush()
-                os.fsync(file.fileno())
-            self._crash_point("before_rename")
-            os.replace(temp, path)
-            self._crash_point("before_dir_fsync")
-            _fsync_dir(path.parent)
-        finally:
-            Path(temp).unlink(missing_ok=True)  # already gone after a successful replace
-
-    def _link(self, target: Path, link_name: str) -> None:
-        """Point ``link_name`` (and its sidecar) at ``target`` in one atomic rename each."""
-        link = self.dirname / link_name
-        for source, destination in ((target, link), (_sidecar_of(target), _sidecar_of(link))):
-            temp = destination.with_name(f".{destination.name}.{secrets.token_hex(4)}.tmp")
-            try:
-                os.link(source, temp)
-                os.replace(temp, destination)
-            finally:
-                temp.unlink(missing_ok=True)  # stays when destination already was this file
-
     def _delete_evicted(self) -> None:
         still_pending = []
         for name in self._evict:
             try:
                 (self.dirname / name).unlink(missing_ok=True)
-                self._crash_point("during_eviction")
-                _sidecar_of(self.dirname / name).unlink(missing_ok=True)
+                self._crash.reach("during_eviction")
+                sidecar_of(self.dirname / name).unlink(missing_ok=True)
             except OSError as err:
                 logger.warning("could not delete evicted checkpoint %s (retrying at the next "
                                "save): %s", name, err)
                 still_pending.append(name)
         self._evict = still_pending
 
-    def _crash_point(self, phase: str) -> None:
-        """Test-only: exit like a killed process when CKPT_TEST_CRASH_PHASE names this phase."""
-        if self._crash_at is None:
-            return
-        wanted_phase, from_save = self._crash_at
-        if phase == wanted_phase and self._saves_started >= from_save:
-            os._exit(137)
-
     def _candidates_newest_first(self) -> list[Path]:
         ranked = []
         for path in self.dirname.iterdir():
-            if path.name in ("last.pt", "best.pt") or _CHECKPOINT_NAME.match(path.name):
+            if path.name in ("last.pt", "best.pt") or CHECKPOINT_NAME.match(path.name):
                 kind_order = 2 if path.name.startswith("best-") else 1  # history before best
                 order = {"last.pt": 0, "best.pt": 3}.get(path.name, kind_order)
-                step, iteration = _claimed_position(path)
+                step, iteration = claimed_position(path)
                 ranked.append((-step, -iteration, order, path))
         return [path for *_, path in sorted(ranked)]
 
     def _remove_stale_temp_files(self) -> None:
         for path in self.dirname.iterdir():
-            if _TEMP_NAME.match(path.name):
+            if TEMP_NAME.match(path.name):
                 logger.info("removing %s, left by an interrupted save", path)
                 path.unlink(missing_ok=True)
 
@@ -382,46 +319,6 @@ class Checkpointer:
         return ResumeInfo(path, meta, rejected)
 
 
-def read_checkpoint(path: str | os.PathLike, *, expected_run_id: str | None = None,
-                    required_keys: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Verify ``path`` against its sidecar and load it onto the CPU with ``weights_only=True``.
-
-    Raises ``CheckpointError`` whose ``reason`` is e.g. ``truncated (0 bytes)``,
-    ``no checksum sidecar ...``, ``checksum mismatch``, ``from another run <id>`` or
-    ``not a checkpoint: <error>``. Use it to read weights for evaluation:
-    ``read_checkpoint("checkpoints/best.pt")["model"]``.
-    """
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        if size == 0:
-            raise CheckpointError(path, "truncated (0 bytes)")
-        sidecar = _read_sidecar(path)
-        committed = sidecar["size_bytes"]
-        if size < committed:
-            raise CheckpointError(path, f"truncated ({size} of {committed} bytes)")
-        if _sha256(path) != sidecar["sha256"]:
-            sizes = "" if size == committed else f" ({size} bytes, {committed} committed)"
-            raise CheckpointError(path, f"checksum mismatch{sizes}")
-    except OSError as err:
-        raise CheckpointError(path, f"unreadable: {err}") from err
-    if expected_run_id is not None and sidecar["run_id"] != expected_run_id:
-        raise CheckpointError(
-            path, f"from another run {sidecar['run_id']} (this run is {expected_run_id})"
-        )
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # weights_only refusals, zip errors: all mean "not ours"
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(path, f"not a checkpoint: {first_line}") from err
-    if not isinstance(payload, dict):
-        raise CheckpointError(path, f"not a checkpoint: it holds a {type(payload).__name__}")
-    missing = [key for key in (*RESERVED_KEYS, *required_keys) if key not in payload]
-    if missing:
-        raise CheckpointError(path, f"not a checkpoint of this setup: missing keys {missing}")
-    return payload
-
-
 def _check_to_save(to_save: Mapping[str, Any]) -> None:
     if not isinstance(to_save, Mapping) or "model" not in to_save or "trainer" not in to_save:
         raise ValueError("to_save must be a dict holding at least 'model' and 'trainer'")
@@ -435,17 +332,6 @@ def _check_to_save(to_save: Mapping[str, Any]) -> None:
         if not (callable(getattr(obj, "state_dict", None))
                 and callable(getattr(obj, "load_state_dict", None))):
             raise ValueError(f"to_save[{key!r}] has no state_dict()/load_state_dict()")
-
-
-def _parse_crash_env() -> tuple[str, int] | None:
-    value = os.environ.get(CRASH_ENV)
-    if not value:
-        return None
-    phase, _, nth = value.partition(":")
-    if phase not in CRASH_PHASES or not (nth.isdigit() or nth == ""):
-        raise ValueError(f"{CRASH_ENV}={value!r} is not PHASE or PHASE:N; phases: "
-                         f"{', '.join(CRASH_PHASES)}")
-    return phase, int(nth or 1)
 
 
 def _first_non_finite(state: Mapping[str, Any]) -> str | None:
@@ -463,73 +349,3 @@ def _first_non_finite(state: Mapping[str, Any]) -> str | None:
     return names[int(torch.nonzero(~finite)[0, 0])]
 
 
-def _unloadable_entry(value: Any, where: str = "checkpoint") -> str | None:
-    """Describe the first entry that ``torch.load(weights_only=True)`` would refuse, or None."""
-    if type(value) in (torch.Tensor, nn.Parameter) or type(value) in _PLAIN_TYPES:
-        return None
-    if type(value) in (dict, OrderedDict):
-        for key, item in value.items():
-            found = _unloadable_entry(key, f"{where} key {key!r}")
-            found = found or _unloadable_entry(item, f"{where}[{key!r}]")
-            if found:
-                return found
-        return None
-    if type(value) in (list, tuple, set):
-        for index, item in enumerate(value):
-            found = _unloadable_entry(item, f"{where}[{index}]")
-            if found:
-                return found
-        return None
-    return f"{where} is a {type(value).__name__}, which torch.load(weights_only=True) refuses"
-
-
-def _sidecar_of(path: Path) -> Path:
-    return path.with_name(path.name + ".json")
-
-
-def _read_sidecar(path: Path) -> dict[str, Any]:
-    sidecar_path = _sidecar_of(path)
-    try:
-        sidecar = json.loads(sidecar_path.read_bytes())
-    except FileNotFoundError:
-        raise CheckpointError(path, f"no checksum sidecar {sidecar_path.name}") from None
-    except (OSError, ValueError) as err:
-        raise CheckpointError(path, f"unreadable sidecar {sidecar_path.name}: {err}") from err
-    if (
-        not isinstance(sidecar, dict)
-        or not sidecar.keys() >= SIDECAR_KEYS
-        or not isinstance(sidecar["size_bytes"], int)
-        or not isinstance(sidecar["sha256"], str)
-    ):
-        raise CheckpointError(path, f"unreadable sidecar {sidecar_path.name}: not a sidecar")
-    if sidecar["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(path, f"format version {sidecar['format_version']}, this code "
-                                    f"reads {FORMAT_VERSION}")
-    return sidecar
-
-
-def _claimed_position(path: Path) -> tuple[float, float]:
-    """(optimizer step, iteration) to order resume candidates, newest first: the step from
-    the file name, else from the sidecar; without a readable sidecar ``last.pt`` still comes
-    first and ``best.pt`` last. Only an order: every candidate is verified before use."""
-    try:
-        sidecar = json.loads(_sidecar_of(path).read_bytes())
-        claimed = (int(sidecar["optimizer_step"]), int(sidecar["iteration"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        claimed = (math.inf, math.inf) if path.name == "last.pt" else (-1, -1)
-    named = _CHECKPOINT_NAME.match(path.name)
-    return (int(named[2]), claimed[1]) if named else claimed
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as file:
-        return hashlib.file_digest(file, "sha256").hexdigest()
-
-
-def _fsync_dir(dirname: Path) -> None:
-    """Make renames and new names in ``dirname`` durable."""
-    fd = os.open(dirname, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

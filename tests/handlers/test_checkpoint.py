@@ -16,6 +16,7 @@ from ignite.engine import Engine, Events
 from torch import nn
 
 import handlers.checkpoint as checkpoint_module
+import handlers.checkpoint_files as checkpoint_files_module
 from engine import Trainer, TrainEvents, create_trainer
 from engine.run_state import RngState
 from handlers.checkpoint import Checkpointer, CheckpointError, read_checkpoint
@@ -501,9 +502,9 @@ def test_to_save_must_hold_a_model_and_the_trainer(tmp_path, to_save, named):
 
 
 def test_every_torch_load_in_the_checkpoint_code_passes_weights_only_true():
-    tree = ast.parse(Path(checkpoint_module.__file__).read_text())
-    loads = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
-             and ast.unparse(node.func) == "torch.load"]
+    loads = [node for module in (checkpoint_module, checkpoint_files_module)
+             for node in ast.walk(ast.parse(Path(module.__file__).read_text()))
+             if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load"]
     assert loads
     for call in loads:
         assert any(keyword.arg == "weights_only" and ast.unparse(keyword.value) == "True"

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from handlers.checkpoint import CRASH_PHASES
+from handlers.crash_points import CRASH_PHASES
 
 pytestmark = pytest.mark.reliability
 
