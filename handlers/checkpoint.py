@@ -174,7 +174,8 @@ class Checkpointer:
         ``CheckpointError``. ``"auto"``: the newest good one in the folder, trying
         ``last.pt``, then history and best files newest first, then ``best.pt``;
         each rejected one is logged with its reason; None when the folder holds no
-        checkpoint, ``CheckpointError`` when it holds only bad ones. With
+        checkpoint, or only .pt files without a sidecar (a first save that was killed
+        before its commit), ``CheckpointError`` when it holds only bad ones. With
         ``require_same_run`` a checkpoint whose run id is not ``run_id`` is refused.
         """
         if source == "never":
@@ -188,6 +189,15 @@ class Checkpointer:
         candidates = self._candidates_newest_first()
         if not candidates:
             logger.info("no checkpoint in %s: starting fresh", self.dirname)
+            return None
+        if not any(sidecar_of(path).exists() or path.name in ("last.pt", "best.pt")
+                   for path in candidates):
+            # A run killed inside its first save: the .pt was never committed (its sidecar is
+            # written after it) and last.pt never linked, so no checkpoint exists yet. With
+            # last.pt or any sidecar present something was committed: a bad file is an error.
+            logger.warning("no committed checkpoint in %s (%s never got its sidecar: the first "
+                           "save was interrupted): starting fresh", self.dirname,
+                           ", ".join(path.name for path in candidates))
             return None
         rejected: list[tuple[str, str]] = []
         for path in candidates:

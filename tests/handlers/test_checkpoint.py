@@ -509,3 +509,27 @@ def test_every_torch_load_in_the_checkpoint_code_passes_weights_only_true():
     for call in loads:
         assert any(keyword.arg == "weights_only" and ast.unparse(keyword.value) == "True"
                    for keyword in call.keywords), ast.unparse(call)
+
+
+@pytest.mark.parametrize("phase", ["mid_write", "before_rename", "before_dir_fsync",
+                                   "before_sidecar"])
+def test_a_process_killed_inside_its_first_save_starts_fresh(tmp_path, caplog, phase):
+    """Nothing was committed: whatever .pt the save left is not a checkpoint yet."""
+    _run_until_killed(tmp_path, phase)
+    fresh = _save_every_step(_build(tmp_path, seed=5, keep_last=1))
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+        assert fresh.ckpt.resume("auto") is None
+    assert fresh.trainer.state.iteration == 0
+    if phase in ("before_dir_fsync", "before_sidecar"):  # the .pt is in place, unsidecarred
+        assert "step-00000001.pt never got its sidecar" in caplog.text
+    fresh.trainer.run(DATA[:3], max_epochs=1)  # and the run goes on from the start
+    assert _names(tmp_path) == {"step-00000003.pt", "step-00000003.pt.json", "last.pt",
+                                "last.pt.json"}
+
+
+def test_last_pt_without_any_sidecar_is_an_error_not_a_fresh_start(tmp_path):
+    _three_saves(tmp_path)
+    for sidecar in tmp_path.glob("*.json"):
+        sidecar.unlink()
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint \(last.pt: no checksum"):
+        _build(tmp_path).ckpt.resume("auto")

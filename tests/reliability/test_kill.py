@@ -62,6 +62,23 @@ def test_crash_inside_a_checkpoint_save_then_rerun_finishes_identically(phase, r
     reference.assert_matches(run_dir)  # also: no temp file and no orphan sidecar left
 
 
+@pytest.mark.parametrize("phase", ["before_dir_fsync", "before_sidecar"])
+def test_crash_inside_the_first_save_then_rerun_starts_over_and_finishes_identically(
+        phase, reference, harness, tmp_path):
+    """The first save's .pt is in place but has no sidecar: nothing was ever committed, so
+    the same command starts the run again (a random kill found this: it used to exit 2)."""
+    run_dir = tmp_path / "run"
+    crashed = harness.run_recipe(run_dir, faults={"CKPT_TEST_CRASH_PHASE": f"{phase}:1"})
+    assert crashed.returncode == 137, crashed.stderr
+    folder = run_dir / "checkpoints"
+    assert {path.name for path in folder.iterdir()} == {"step-00000003.pt"}
+
+    restarted = harness.run_recipe(run_dir)
+    assert restarted.returncode == 0, restarted.stderr
+    assert "never got its sidecar" in restarted.stderr and "resumed from" not in restarted.stdout
+    reference.assert_matches(run_dir)
+
+
 @pytest.mark.slow
 def test_two_crashes_in_a_row_then_rerun_finishes_identically(reference, harness, tmp_path):
     run_dir = tmp_path / "run"
