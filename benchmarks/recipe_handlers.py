@@ -14,7 +14,7 @@ each so that every arm trains the same weights or pays only engine costs:
 - progress is the real ``Progress`` in plain mode, printing to /dev/null;
 - ``Lookahead`` is left out: it changes the weights, so the arms would no longer train
   the same; its cost is one in-place average of the weights every 20 optimizer steps
-  at the recipe's batch size (added after docs/benchmarks.md was measured).
+  at the recipe's batch size.
 """
 
 import dataclasses
