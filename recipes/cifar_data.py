@@ -3,6 +3,10 @@
 Everything here returns a ``CifarArrays`` held in memory (60k images are 184 MB
 as uint8); ``recipes.data_batches`` turns it into batches on the device.
 
+Decoding 60k JPEGs takes seconds on every start, so image folders are decoded once
+and cached (see ``decoded_cache_path``); a cache that no longer matches the files,
+or fails its checksum, is decoded again and replaced.
+
 >>> arrays = make_synthetic(n_train=100, n_test=20, seed=0)
 >>> arrays.train_images.shape, arrays.train_images.dtype
 (torch.Size([100, 3, 32, 32]), torch.uint8)
@@ -11,8 +15,12 @@ as uint8); ``recipes.data_batches`` turns it into batches on the device.
 (50, 10)
 """
 
+import hashlib
+import logging
+import os
 import shutil
-from dataclasses import dataclass, replace
+import tempfile
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +31,10 @@ IMAGE_SHAPE = (3, 32, 32)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 PYTHON_BATCHES_FOLDER = "cifar-10-batches-py"  # torchvision's layout under data_dir
 DECODE_CHUNK = 1024  # JPEGs decoded per batched decode_jpeg call (batched is ~3x faster)
+CACHE_ENV = "IGNITE_ENGINE_CACHE"  # overrides the cache folder, e.g. for tests
+CACHE_FORMAT = 1  # bump when decoding or the cached layout changes: older caches then miss
+
+logger = logging.getLogger(__name__)
 
 
 class DataError(RuntimeError):
@@ -103,15 +115,103 @@ def _load_image_folders(data_dir: Path) -> CifarArrays:
             f"only in train {sorted(set(classes) - set(test_classes))}, "
             f"only in test {sorted(set(test_classes) - set(classes))}"
         )
-    train_images = _decode_files([path for path, _ in train_files])
-    test_images = _decode_files([path for path, _ in test_files])
-    return CifarArrays(
-        train_images,
+    listing = _listing_digest(data_dir, [path for path, _ in train_files + test_files])
+    cache_path = decoded_cache_path(data_dir)
+    cached = _read_cache(cache_path, listing)
+    if cached is not None:
+        return cached
+    arrays = CifarArrays(
+        _decode_files([path for path, _ in train_files]),
         torch.tensor([label for _, label in train_files], dtype=torch.int64),
-        test_images,
+        _decode_files([path for path, _ in test_files]),
         torch.tensor([label for _, label in test_files], dtype=torch.int64),
         classes,
     )
+    _write_cache(cache_path, listing, arrays)
+    return arrays
+
+
+def decoded_cache_path(data_dir: Path) -> Path:
+    """Where the decoded arrays of the image folders under ``data_dir`` are cached:
+    ``$IGNITE_ENGINE_CACHE`` if set, else ``$XDG_CACHE_HOME`` (or ``~/.cache``)
+    ``/ignite-engine``, then ``cifar10/<hash of data_dir's absolute path>.pt``.
+    Not inside ``data_dir``, which may be a read-only shared folder."""
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ignite-engine"
+    source = hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:16]
+    return Path(root).expanduser() / "cifar10" / f"{source}.pt"
+
+
+def _listing_digest(data_dir: Path, paths: list[Path]) -> str:
+    """sha256 of every file's name relative to ``data_dir``, size and mtime, in load order:
+    any file touched, added, removed or renamed changes it (stat is ~100x cheaper than a
+    decode; an edit that keeps both size and mtime is the one change it cannot see)."""
+    digest = hashlib.sha256(f"format {CACHE_FORMAT}\n".encode())
+    for path in paths:
+        try:
+            stat = path.stat()
+        except OSError as error:
+            raise DataError(f"cannot read image {path}: {error}") from error
+        relative = path.relative_to(data_dir).as_posix()
+        digest.update(f"{relative}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _arrays_checksum(arrays: CifarArrays) -> str:
+    """sha256 over every tensor's dtype, shape and bytes, and the class names (~0.1 s for
+    CIFAR-10): a cache file that loads but was damaged or edited is never trusted."""
+    digest = hashlib.sha256()
+    for field in fields(CifarArrays):
+        value = getattr(arrays, field.name)
+        if isinstance(value, torch.Tensor):
+            digest.update(f"{field.name} {value.dtype} {tuple(value.shape)}\n".encode())
+            digest.update(value.contiguous().numpy())
+        else:
+            digest.update(f"{field.name} {value!r}\n".encode())
+    return digest.hexdigest()
+
+
+def _read_cache(cache_path: Path, listing: str) -> CifarArrays | None:
+    """The cached arrays if the cache exists, matches ``listing`` and its checksum, else None."""
+    if not cache_path.exists():
+        return None
+    try:
+        payload = torch.load(cache_path, weights_only=True)
+        if payload.get("listing") != listing:
+            logger.info("decoded-image cache %s is stale: decoding again", cache_path)
+            return None
+        arrays = CifarArrays(**{field.name: payload[field.name] for field in fields(CifarArrays)})
+        if _arrays_checksum(arrays) != payload["checksum"]:
+            raise ValueError("checksum mismatch")
+    except Exception as error:  # unreadable, truncated or edited: all mean "decode again"
+        logger.warning("decoded-image cache %s is corrupt (%s: %s): decoding again",
+                       cache_path, type(error).__name__, error)
+        return None
+    return arrays
+
+
+def _write_cache(cache_path: Path, listing: str, arrays: CifarArrays) -> None:
+    """Save atomically (temp file, fsync, rename), so a reader never sees half a cache;
+    on failure (read-only, disk full) only warn: the cache only saves time."""
+    payload = {"listing": listing, "checksum": _arrays_checksum(arrays)}
+    payload.update({field.name: getattr(arrays, field.name) for field in fields(CifarArrays)})
+    temp = None
+    try:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temp = tempfile.mkstemp(dir=cache_path.parent, prefix=f".{cache_path.name}.",
+                                        suffix=".tmp")
+        with os.fdopen(handle, "wb") as file:
+            torch.save(payload, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, cache_path)
+    except (OSError, RuntimeError) as error:  # torch.save reports write errors as RuntimeError
+        logger.warning("could not write the decoded-image cache %s (%s): the next start "
+                       "decodes the images again", cache_path, error)
+    finally:
+        if temp is not None and os.path.exists(temp):
+            os.unlink(temp)
 
 
 def _list_split(split_dir: Path) -> tuple[list[tuple[Path, int]], list[str]]:

@@ -1,3 +1,5 @@
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,34 @@ from recipes.cifar_data import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 REAL_CIFAR = Path("/work/shared/data/cifar10")
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory, monkeypatch) -> Path:
+    """Every test caches decoded images in its own folder, never in the user's cache."""
+    folder = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv(cifar_data.CACHE_ENV, str(folder))
+    return folder
+
+
+@pytest.fixture
+def count_decodes(monkeypatch) -> list[int]:
+    """Wraps ``_decode_files``; the list grows by one per decoded split."""
+    calls = []
+    decode = cifar_data._decode_files
+
+    def counting(paths):
+        calls.append(len(paths))
+        return decode(paths)
+
+    monkeypatch.setattr(cifar_data, "_decode_files", counting)
+    return calls
+
+
+def assert_same_arrays(a, b) -> None:
+    assert a.classes == b.classes
+    for name in ("train_images", "train_labels", "test_images", "test_labels"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
 def write_tree(root: Path, classes=("cat", "dog", "frog"), per_class=4) -> dict[Path, torch.Tensor]:
@@ -167,3 +197,111 @@ def test_real_cifar_slice_loads_through_a_symlink_tree(tmp_path):
     assert arrays.test_labels.tolist() == [0, 1] * 20
     # Real photos: pixel values spread over most of the 0-255 range.
     assert arrays.train_images.float().std() > 30
+
+
+def test_second_load_comes_from_the_cache_and_equals_a_fresh_decode(tmp_path, count_decodes,
+                                                                     cache_dir):
+    write_tree(tmp_path / "data")
+    first = load_cifar10(tmp_path / "data", download=False)
+    assert count_decodes == [12, 12]  # train and test decoded once
+    assert cifar_data.decoded_cache_path(tmp_path / "data").parent.parent == cache_dir
+    second = load_cifar10(tmp_path / "data", download=False)
+    assert count_decodes == [12, 12]
+    assert_same_arrays(first, second)
+    assert [p.name for p in cache_dir.rglob("*") if p.is_file()] == [
+        cifar_data.decoded_cache_path(tmp_path / "data").name
+    ]  # no temp file left behind
+
+
+@pytest.mark.parametrize("change", ["touch", "add", "remove", "rewrite"])
+def test_a_changed_file_listing_invalidates_the_cache(tmp_path, count_decodes, change):
+    data = tmp_path / "data"
+    pixels = write_tree(data)
+    load_cifar10(data, download=False)
+    path = data / "train/dog/0001.png"
+    if change == "touch":  # same bytes, new mtime
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    elif change == "add":
+        write_file(str(data / "train/dog/0099.png"), encode_png(pixels[path]))
+    elif change == "remove":
+        path.unlink()
+    else:  # other pixels, whatever the size and mtime come out as
+        write_file(str(path), encode_png(torch.zeros(3, 32, 32, dtype=torch.uint8)))
+    count_decodes.clear()
+    cached = load_cifar10(data, download=False)
+    assert count_decodes == [len(cached.train_labels), 12]  # decoded again, both splits
+    assert_same_arrays(cached, load_cifar10(data, download=False))
+    assert len(count_decodes) == 2  # and the new state was cached
+
+
+def test_default_cache_folder_is_the_users_cache_dir_not_the_data_folder(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.delenv(cifar_data.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = cifar_data.decoded_cache_path(tmp_path / "data")
+    assert path.parent == tmp_path / "xdg" / "ignite-engine" / "cifar10"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cifar_data.decoded_cache_path(tmp_path / "data").parent == (
+        tmp_path / "home" / ".cache" / "ignite-engine" / "cifar10"
+    )
+    # Another data folder gets its own cache file.
+    assert cifar_data.decoded_cache_path(tmp_path / "other") != path
+
+
+def garbage(cache: Path) -> None:
+    cache.write_bytes(b"not a torch file")
+
+
+def truncated(cache: Path) -> None:
+    cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
+
+
+def edited_pixel(cache: Path) -> None:  # loads fine and the listing matches: only the checksum
+    payload = torch.load(cache, weights_only=True)
+    payload["train_images"][0, 0, 0, 0] ^= 1
+    torch.save(payload, cache)
+
+
+@pytest.mark.parametrize("damage", [garbage, truncated, edited_pixel])
+def test_a_corrupt_cache_is_rebuilt_never_trusted(tmp_path, count_decodes, caplog, damage):
+    data = tmp_path / "data"
+    write_tree(data)
+    fresh = load_cifar10(data, download=False)
+    damage(cifar_data.decoded_cache_path(data))
+    count_decodes.clear()
+    with caplog.at_level(logging.WARNING, logger=cifar_data.__name__):
+        rebuilt = load_cifar10(data, download=False)
+    assert count_decodes == [12, 12]
+    assert "is corrupt" in caplog.text and "decoding again" in caplog.text
+    assert_same_arrays(fresh, rebuilt)
+    count_decodes.clear()
+    assert_same_arrays(fresh, load_cifar10(data, download=False))  # the rebuilt cache is good
+    assert count_decodes == []
+
+
+def test_an_unwritable_cache_folder_only_warns(tmp_path, count_decodes, caplog, monkeypatch):
+    data = tmp_path / "data"
+    write_tree(data)
+    blocker = tmp_path / "a-file"  # a folder cannot be made under a file, even as root
+    blocker.write_text("")
+    monkeypatch.setenv(cifar_data.CACHE_ENV, str(blocker / "cache"))
+    with caplog.at_level(logging.WARNING, logger=cifar_data.__name__):
+        arrays = load_cifar10(data, download=False)
+        load_cifar10(data, download=False)
+    assert len(arrays.train_labels) == 12 and count_decodes == [12, 12, 12, 12]
+    assert "could not write the decoded-image cache" in caplog.text
+
+
+def test_a_failed_cache_write_leaves_no_temp_file(tmp_path, count_decodes, caplog, monkeypatch,
+                                                  cache_dir):
+    def disk_full(payload, file):
+        file.write(b"half a cache")
+        raise RuntimeError("PytorchStreamWriter failed writing file: No space left on device")
+
+    write_tree(tmp_path / "data")
+    monkeypatch.setattr(cifar_data.torch, "save", disk_full)
+    with caplog.at_level(logging.WARNING, logger=cifar_data.__name__):
+        load_cifar10(tmp_path / "data", download=False)
+    assert "No space left on device" in caplog.text
+    assert [p for p in cache_dir.rglob("*") if p.is_file()] == []
