@@ -148,13 +148,13 @@ def _listing_digest(data_dir: Path, paths: list[Path]) -> str:
     any file touched, added, removed or renamed changes it (stat is ~100x cheaper than a
     decode; an edit that keeps both size and mtime is the one change it cannot see)."""
     digest = hashlib.sha256(f"format {CACHE_FORMAT}\n".encode())
+    prefix = len(str(data_dir)) + 1  # str slicing: Path.relative_to is ~4x slower
     for path in paths:
         try:
-            stat = path.stat()
+            stat = os.stat(path)
         except OSError as error:
             raise DataError(f"cannot read image {path}: {error}") from error
-        relative = path.relative_to(data_dir).as_posix()
-        digest.update(f"{relative}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
+        digest.update(f"{str(path)[prefix:]}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 
 
@@ -223,8 +223,10 @@ def _list_split(split_dir: Path) -> tuple[list[tuple[Path, int]], list[str]]:
         raise DataError(f"no class folders in {split_dir}: expected {split_dir}/<class>/*.jpg")
     per_class = []
     for name in classes:
-        files = sorted(p for p in (split_dir / name).iterdir()
-                       if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
+        folder = split_dir / name
+        # Names as strings: sorting and filtering 50k Path objects takes ~0.4 s.
+        files = [folder / file for file in sorted(os.listdir(folder))
+                 if file.lower().endswith(IMAGE_SUFFIXES) and not file.startswith(".")]
         if not files:
             raise DataError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {split_dir / name}")
         per_class.append(files)
