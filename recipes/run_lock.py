@@ -1,0 +1,93 @@
+"""One writer per run folder: an exclusive ``flock`` on ``<run_dir>/.lock``.
+
+    with RunLock(run_dir):   # raises ConfigError at once if another process holds it
+        train()
+
+The lock is the ``flock`` itself, which the kernel drops when the holder's file is
+closed, so a process killed with ``kill -9`` never leaves a stale lock behind. The PID
+and host written into the file only serve the message a second writer gets.
+
+Under ``--nproc`` spawning, take the lock in the parent before spawning and release it
+after the group ends: the parent holds it for every rank.
+"""
+
+import fcntl
+import os
+import socket
+from pathlib import Path
+from types import TracebackType
+
+from recipes.config import ConfigError
+
+LOCK_NAME = ".lock"
+
+
+class RunLock:
+    """Exclusive, non-blocking lock on a run folder (created if missing); a context manager.
+
+    ``acquire`` raises ``ConfigError`` at once, naming the folder and the holder's PID and
+    host, when another process (or another ``RunLock`` in this one) holds it.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            raise RuntimeError(f"{self.path} is already held by this RunLock")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # O_CLOEXEC: a program this process executes must not keep the run locked after we exit.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise ConfigError(
+                f"{self.run_dir} is in use by {holder} (another run is writing it); "
+                "wait for it or choose another --run-name"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Drop the lock; a no-op when not held. The file stays: deleting it would let a
+        process that opened the old file and one that creates a new one both 'hold' it."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)  # still ours until the close: no stale holder in the file
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> "RunLock":
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    """'process 1234 on host h' from the lock file, or a vaguer phrase while the holder
+    has not written it yet."""
+    fields = os.pread(fd, 4096, 0).decode(errors="replace").split()
+    if len(fields) == 2 and fields[0].isdigit():
+        return f"process {fields[0]} on host {fields[1]}"
+    return "another process"

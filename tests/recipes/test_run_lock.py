@@ -1,0 +1,106 @@
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recipes.config import ConfigError
+from recipes.run_lock import LOCK_NAME, RunLock
+
+REPO = Path(__file__).resolve().parents[2]
+HOLD_SCRIPT = """
+import sys, time
+from recipes.run_lock import RunLock
+lock = RunLock(sys.argv[1])
+lock.acquire()
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def try_from_another_process(run_dir: Path) -> subprocess.CompletedProcess:
+    script = ("import sys\nfrom recipes.run_lock import RunLock\n"
+              "from recipes.config import ConfigError\n"
+              "try:\n    RunLock(sys.argv[1]).acquire()\n"
+              "except ConfigError as error:\n    print(error)\n    sys.exit(2)\n")
+    return subprocess.run([sys.executable, "-c", script, str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A child python holding the lock on ``tmp_path / 'run'``; killed at the end."""
+    child = subprocess.Popen([sys.executable, "-c", HOLD_SCRIPT, str(tmp_path / "run")],
+                             cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "locked\n"
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_second_writer_in_another_process_fails_at_once_naming_folder_and_holder(tmp_path):
+    run_dir = tmp_path / "runs" / "cifar" / "x"
+    with RunLock(run_dir) as lock:
+        assert lock.held
+        assert (run_dir / LOCK_NAME).read_text() == f"{os.getpid()} {socket.gethostname()}\n"
+        other = try_from_another_process(run_dir)
+    assert other.returncode == 2
+    assert other.stdout == (
+        f"{run_dir} is in use by process {os.getpid()} on host {socket.gethostname()} "
+        "(another run is writing it); wait for it or choose another --run-name\n"
+    )
+    assert not lock.held
+
+
+def test_a_held_lock_refuses_without_waiting(tmp_path, holder):
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=f"in use by process {holder.pid} on host"):
+        RunLock(tmp_path / "run").acquire()
+    assert time.monotonic() - start < 0.5
+
+
+def test_release_then_acquire_again(tmp_path):
+    first = RunLock(tmp_path / "run")
+    first.acquire()
+    with pytest.raises(ConfigError, match="is in use by"):  # one writer, even in one process
+        RunLock(tmp_path / "run").acquire()
+    first.release()
+    assert (tmp_path / "run" / LOCK_NAME).read_text() == ""  # no holder named any more
+    first.release()  # a no-op
+    with RunLock(tmp_path / "run"):
+        pass
+    assert try_from_another_process(tmp_path / "run").returncode == 0
+
+
+def test_a_holder_killed_with_sigkill_leaves_no_stale_lock(tmp_path, holder):
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert str(holder.pid) in (tmp_path / "run" / LOCK_NAME).read_text()  # the file stays...
+    with RunLock(tmp_path / "run") as lock:  # ...but the lock died with the process
+        assert lock.held
+
+
+def test_the_lock_file_is_not_inherited_by_executed_programs(tmp_path):
+    with RunLock(tmp_path / "run") as lock:
+        assert fcntl.fcntl(lock._fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        # A child started with every inheritable fd kept outlives our release and must not
+        # hold the run locked.
+        child = subprocess.Popen(["sleep", "30"], close_fds=False)
+    try:
+        with RunLock(tmp_path / "run"):
+            pass
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_acquiring_twice_on_one_object_is_a_bug(tmp_path):
+    with RunLock(tmp_path / "run") as lock, pytest.raises(RuntimeError, match="already held"):
+        lock.acquire()
