@@ -234,6 +234,14 @@ def test_a_changed_file_listing_invalidates_the_cache(tmp_path, count_decodes, c
     assert len(count_decodes) == 2  # and the new state was cached
 
 
+def test_the_cache_works_for_a_data_dir_given_as_dot(tmp_path, count_decodes, monkeypatch):
+    write_tree(tmp_path / "data")
+    monkeypatch.chdir(tmp_path / "data")
+    first = load_cifar10(Path("."), download=False)
+    assert_same_arrays(first, load_cifar10(tmp_path / "data", download=False))  # same cache
+    assert count_decodes == [12, 12]
+
+
 def test_default_cache_folder_is_the_users_cache_dir_not_the_data_folder(tmp_path,
                                                                           monkeypatch):
     monkeypatch.delenv(cifar_data.CACHE_ENV)

@@ -1,5 +1,6 @@
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ def test_many_recounted_classes_are_cut_short():
     )
 
 
-def test_files_fingerprint_counts_and_hashes_names_sizes_and_labels(tmp_path):
+def test_files_fingerprint_counts_and_hashes_names_sizes_and_labels(tmp_path, monkeypatch):
     files = write_files(tmp_path / "data")
     fingerprint = fingerprint_files(files, tmp_path / "data", CLASSES)
     assert_plain(fingerprint)
@@ -127,8 +128,11 @@ def test_files_fingerprint_counts_and_hashes_names_sizes_and_labels(tmp_path):
     moved = [(tmp_path / "moved" / path.relative_to(tmp_path / "data"), label)
              for path, label in files]
     assert fingerprint == fingerprint_files(moved, tmp_path / "moved", CLASSES)
-    with pytest.raises(ValueError, match="is not under"):
+    with pytest.raises(ValueError, match="is not in the subpath of"):
         fingerprint_files(moved, tmp_path / "data", CLASSES)
+    monkeypatch.chdir(tmp_path / "moved")  # relative names under root "."
+    relative = [(path.relative_to(tmp_path / "moved"), label) for path, label in moved]
+    assert fingerprint == fingerprint_files(relative, Path("."), CLASSES)
 
 
 def test_files_changes_are_described(tmp_path):
