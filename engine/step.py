@@ -1,4 +1,4 @@
-"""The process function: one micro-batch in, one (possibly applied) optimizer step out."""
+"""The process function: one micro-batch in, one optimizer step queued at a window's end."""
 
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -7,11 +7,10 @@ from typing import Any
 import torch
 from ignite.engine import Engine, State
 from torch import nn
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from engine.batch import Forward, PrepareBatch
-from engine.events import TrainEvents
-from engine.nonfinite import NonFiniteGuard
+from engine.gradients import norms_and_clip
+from engine.nonfinite import NonFiniteGuard, PendingStep
 from engine.precision import Precision
 
 
@@ -41,57 +40,50 @@ def make_train_step(
     guard: NonFiniteGuard,
 ) -> Callable[[Engine, Any], dict[str, torch.Tensor]]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    not_clipped = torch.tensor(False, device=precision.device)
-    window: dict[str, torch.Tensor | None] = {"loss": None}  # summed losses: NaN or overflow?
+    # Each of these does nothing in some setting; skipping it there saves its Python call.
+    autocast = precision.autocast if precision.dtype is not None else nullcontext
+    no_sync = getattr(model, "no_sync", nullcontext)  # DDP's; inside a window only
+    scale = scaler.scale if precision.uses_scaler else lambda loss: loss
+    window_losses: list[torch.Tensor] = []  # read only to classify a skipped step
 
     def train_step(engine: Engine, batch: Any) -> dict[str, torch.Tensor]:
+        guard.settle(engine)  # normally done at GET_BATCH_STARTED, absent when data=None
         # 1-3: forward under autocast, loss divided by the real window length, scaled backward.
-        model.train()
+        if not model.training:  # an evaluation in between switched it to eval()
+            model.train()
         window_len, closes_window = window_position(engine.state, accum_steps)
         batch = prepare_batch(batch, precision.device, True)
-        # DDP all-reduces at every backward; inside a window only the last one needs it.
-        skip_sync = not closes_window and hasattr(model, "no_sync")
-        with model.no_sync() if skip_sync else nullcontext():
-            with precision.autocast():
+        with nullcontext() if closes_window else no_sync():
+            with autocast():
                 loss = forward(model, batch)
-            scaler.scale(loss / window_len).backward()
+            scale(loss / window_len if window_len > 1 else loss).backward()
         output = {"loss": loss.detach()}
-        previous = window["loss"]
-        window["loss"] = output["loss"] if previous is None else previous + output["loss"]
+        window_losses.append(output["loss"])
         if not closes_window:
             return output
 
         # 4-5: unscale, one global pre-clip norm on the device, clip with it.
-        scaler.unscale_(optimizer)
-        grad_norm = get_total_norm([p.grad for p in params if p.grad is not None])
-        output["grad_norm"], output["grad_norm_clipped"], output["clipped"] = (
-            grad_norm, grad_norm, not_clipped
-        )
-        if max_grad_norm is not None:
-            clip_coef = torch.clamp(max_grad_norm / (grad_norm + 1e-6), max=1.0)
-            clip_grads_with_norm_(params, max_grad_norm, grad_norm)
-            output["grad_norm_clipped"], output["clipped"] = grad_norm * clip_coef, clip_coef < 1.0
         if precision.uses_scaler:
+            scaler.unscale_(optimizer)
             # The scale this window was scaled with; cloned because update() changes it in place.
             output["scale"] = scaler._get_scale_async().detach().clone()
+        stepped = [p for p in params if p.grad is not None]
+        gradient_norms, output["grad_norm"] = norms_and_clip(
+            [p.grad for p in stepped], max_grad_norm
+        )
 
-        # 6-7: the skip decision (the step's one device wait), then step and scale update.
-        applied = guard.allows_step(engine, grad_norm, window["loss"], output.get("scale"))
-        if applied:
-            # The guard has already read the norm, which is non-finite whenever the scaler's
-            # found_inf is set, so stepping directly saves scaler.step() a second wait.
-            optimizer.step()
-        scaler.update()  # no-op unless fp16; backs the scale off after an overflow
-
-        # 8-9: clear the window, then tell the step-clocked handlers.
+        # 6-7: the step, kept off the weights on the device if the norm is not finite; the
+        # scale update (fp16) backs off after an overflow, also on the device.
+        guard.gate.step(output["grad_norm"], stepped)
+        if precision.uses_scaler:
+            scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        window["loss"] = None
-        engine.state.output = output  # handlers on the events below read it
-        if applied:
-            engine.state.optimizer_step += 1
-            engine.fire_event(TrainEvents.OPTIMIZER_STEP)
-        else:
-            engine.fire_event(TrainEvents.STEP_SKIPPED)
+
+        # 8: its outcome is read at the next micro-batch, which fires the step's event.
+        guard.pending = PendingStep(
+            engine.state.iteration, output, gradient_norms, stepped, window_losses.copy()
+        )
+        window_losses.clear()
         return output
 
     return train_step

@@ -1,6 +1,9 @@
 """Factories for the training and evaluation engines."""
 
+import logging
+import weakref
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from ignite.engine import Engine, Events
@@ -19,6 +22,7 @@ from engine.events import EVENT_TO_ATTR, TrainEvents
 from engine.nonfinite import NonFiniteGuard
 from engine.precision import Precision, resolve_precision
 from engine.step import make_train_step
+from engine.update_gate import make_gate
 
 # Engine state that a checkpoint must carry besides epoch and iteration.
 TRAINER_STATE_KEYS = ("optimizer_step", "skipped_steps", "consecutive_skips")
@@ -29,6 +33,14 @@ class Trainer(Engine):
 
     Handlers (checkpointing, telemetry) read ``model``, ``optimizer``,
     ``scaler`` and ``precision`` from here instead of being handed each one.
+
+    A window's step is queued on the device without the host reading its outcome; the
+    counters (``optimizer_step``, ``skipped_steps``, ``consecutive_skips``) and the step's
+    event (``OPTIMIZER_STEP`` or ``STEP_SKIPPED``) follow at the next micro-batch's
+    ``GET_BATCH_STARTED``, before its forward, or first thing at ``EPOCH_COMPLETED``,
+    ``COMPLETED`` and ``TERMINATE``. So ``ITERATION_COMPLETED`` handlers of a window's
+    last micro-batch run before its step's event; one that reads the counters or saves
+    the run there calls ``settle()`` first.
     """
 
     def __init__(
@@ -40,11 +52,13 @@ class Trainer(Engine):
         precision: Precision,
         accum_steps: int,
         max_grad_norm: float | None,
+        guard: NonFiniteGuard,
     ) -> None:
         super().__init__(process_function)
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.precision = precision
         self.accum_steps, self.max_grad_norm = accum_steps, max_grad_norm
+        self._guard = guard
         self.register_events(*TrainEvents, event_to_attr=EVENT_TO_ATTR)
         for key in TRAINER_STATE_KEYS:
             setattr(self.state, key, 0)
@@ -52,6 +66,33 @@ class Trainer(Engine):
         self.add_event_handler(Events.STARTED, _start_counters)
         if accum_steps > 1:
             self.add_event_handler(Events.STARTED, _require_epoch_length)
+        # Registered before any other handler, so every handler of these events sees the
+        # previous step settled.
+        for event in (Events.GET_BATCH_STARTED, Events.EPOCH_COMPLETED, Events.COMPLETED,
+                      Events.TERMINATE):
+            self.add_event_handler(event, guard.settle)
+
+    def settle(self) -> None:
+        """Read the last step's outcome now (the host waits for the device if it must) and
+        fire its event; a no-op when nothing is pending."""
+        self._guard.settle(self)
+
+    def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
+        # Ignite's own formats a debug message for every event, logged or not: ~1-2 us
+        # each, several times per micro-batch. The same loop, formatting only when logged.
+        if self.logger.isEnabledFor(logging.DEBUG):
+            self.logger.debug(f"{self.state.epoch} | {self.state.iteration}, "
+                              f"Firing handlers for event {event_name}")
+        self.last_event_name = event_name
+        for func, args, kwargs in self._event_handlers[event_name]:
+            kwargs.update(event_kwargs)
+            if args and isinstance(args[0], weakref.ref):
+                engine = args[0]()
+                if engine is None:
+                    raise RuntimeError("Engine reference not resolved: cannot run the handler")
+                func(engine, *event_args, *args[1:], **kwargs)
+            else:
+                func(*event_args, *args, **kwargs)
 
 
 def _start_counters(engine: Engine) -> None:
@@ -83,14 +124,19 @@ def create_trainer(
     max_consecutive_skips: int = 3,
     prepare_batch: PrepareBatch = move_to_device,
     forward: Forward | None = None,
+    compile: bool = False,
 ) -> Trainer:
     """Build the training engine.
 
     Batches are ``(x, y)`` and the loss is ``loss_fn(model(x), y)`` unless
     ``forward(model, batch) -> loss`` is given. ``max_grad_norm=None`` measures
-    the gradient norm without clipping. See DESIGN.md, "The step, in order".
-    The model is moved to the device; build the optimizer before or after, its
-    parameters are the same tensors.
+    the gradient norm without clipping. The model is moved to the device; build the
+    optimizer before or after, its parameters are the same tensors.
+
+    ``compile=True`` compiles the model's forward in place (``nn.Module.compile``, so an
+    evaluator on the same model runs it compiled too): the module, its parameters and its
+    ``state_dict`` keys stay the same objects and names, so checkpoints move freely between
+    compiled and eager runs. Compiled numerics differ from eager in the last bits.
     """
     resolved = resolve_precision(precision, device)
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
@@ -104,18 +150,25 @@ def create_trainer(
         raise ValueError(
             f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}"
         )
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
     if forward is None:
         if loss_fn is None:
             raise ValueError("loss_fn is required unless forward(model, batch) -> loss is given")
         forward = supervised_forward(loss_fn)
-    guard = NonFiniteGuard(model, non_finite, max_consecutive_skips)
+    names = {p: name for name, p in getattr(model, "module", model).named_parameters()}
+    guard = NonFiniteGuard(
+        make_gate(optimizer, resolved.device), names, non_finite, max_consecutive_skips
+    )
     model.to(resolved.device)
+    if compile:
+        model.compile()
     scaler = resolved.make_scaler()
     step = make_train_step(
         model, optimizer, scaler, resolved, forward, prepare_batch,
         accum_steps, max_grad_norm, guard,
     )
-    return Trainer(step, model, optimizer, scaler, resolved, accum_steps, max_grad_norm)
+    return Trainer(step, model, optimizer, scaler, resolved, accum_steps, max_grad_norm, guard)
 
 
 def create_evaluator(

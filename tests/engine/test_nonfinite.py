@@ -9,6 +9,7 @@ from torch import nn
 from engine import NonFiniteGradientError, TrainEvents, create_trainer
 
 PRECISIONS = ("fp32", "fp16", "bf16")
+pytestmark = pytest.mark.usefixtures("gate")  # every test with both update gates
 
 
 def nan_loss_trainer(model: nn.Module, nan_iterations: set[int], **kwargs):
@@ -134,3 +135,63 @@ def test_fp16_scaler_back_off_is_skipped_but_never_raises(make_mlp, make_batches
     assert trainer.scaler.get_scale() < initial_scale
     assert trainer.state.optimizer_step == 20 - skipped > 0  # once the scale fits, steps apply
     assert all_finite(model)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, torch.Tensor]]:
+    return {index: {key: value.clone() for key, value in state.items()}
+            for index, state in optimizer.state_dict()["state"].items()}
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1),
+    lambda params: torch.optim.AdamW(params, lr=1e-2),
+], ids=["sgd_momentum", "adamw"])
+@pytest.mark.parametrize("nan_iteration", [1, 3], ids=["first_step", "later_step"])
+def test_a_skipped_step_leaves_weights_and_optimizer_state_untouched(
+    make_optimizer, nan_iteration, make_mlp, make_batches
+):
+    model = make_mlp()
+
+    def forward(model: nn.Module, batch) -> torch.Tensor:
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        return loss * float("nan") if trainer.state.iteration == nan_iteration else loss
+
+    optimizer = make_optimizer(model.parameters())
+    trainer = create_trainer(model, optimizer, forward=forward)
+    before = {}
+    trainer.add_event_handler(
+        Events.ITERATION_STARTED(once=nan_iteration),
+        lambda e: before.update(weights=[p.detach().clone() for p in model.parameters()],
+                                state=optimizer_state(optimizer)),
+    )
+    after = {}
+    trainer.add_event_handler(
+        TrainEvents.STEP_SKIPPED,
+        lambda e: after.update(weights=[p.detach().clone() for p in model.parameters()],
+                               state=optimizer_state(optimizer)),
+    )
+    trainer.run(make_batches(5))
+
+    assert same(after["weights"], before["weights"])
+    assert after["state"].keys() == before["state"].keys()  # none created at a first step
+    for index, state in before["state"].items():
+        assert after["state"][index].keys() == state.keys()
+        assert all(torch.equal(after["state"][index][key], value) for key, value in state.items())
+    assert trainer.state.optimizer_step == 4 and all_finite(model)
+
+
+def test_a_skipped_step_never_advances_a_scheduler_on_the_step_clock(make_mlp, make_batches):
+    trainer = nan_loss_trainer(make_mlp(), {3})
+    lrs_used = []  # the lr each micro-batch's step will use
+    trainer.add_event_handler(
+        Events.ITERATION_STARTED,
+        lambda e: lrs_used.append(e.optimizer.param_groups[0]["lr"]))
+
+    @trainer.on(TrainEvents.OPTIMIZER_STEP)
+    def schedule(engine) -> None:  # the learning rate of step k + 1 is 0.1 / (k + 1)
+        engine.optimizer.param_groups[0]["lr"] = 0.1 / (engine.state.optimizer_step + 1)
+
+    trainer.run(make_batches(6))
+    # Iteration 3's step was skipped: iteration 4 runs with the same lr.
+    assert lrs_used == pytest.approx([0.1, 0.1 / 2, 0.1 / 3, 0.1 / 3, 0.1 / 4, 0.1 / 5])
+    assert trainer.state.optimizer_step == 5

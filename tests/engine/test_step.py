@@ -71,7 +71,7 @@ def reference_loop(model, optimizer, data, precision, accum_steps, max_grad_norm
 @pytest.mark.parametrize("precision", AUTOCAST_DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_trainer_matches_the_hand_written_loop_bit_for_bit(
-    device, precision, accum_steps, max_grad_norm, optimizer_name, make_mlp, make_batches
+    device, precision, accum_steps, max_grad_norm, optimizer_name, gate, make_mlp, make_batches
 ):
     # 10 micro-batches: with accum_steps=3 the windows are 3, 3, 3, 1
     data = [(x.to(device), y.to(device)) for x, y in make_batches(10)]
@@ -146,7 +146,9 @@ def test_optimizer_step_clock_closes_every_epochs_last_window(make_mlp, make_bat
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp16_inf_gradient_skips_its_step_and_fires_step_skipped(device, make_mlp, make_batches):
+def test_fp16_inf_gradient_skips_its_step_and_fires_step_skipped(
+    device, gate, make_mlp, make_batches
+):
     model = make_mlp().to(device)
     trainer = create_trainer(model, sgd(model), F.cross_entropy, device=device,
                              precision="fp16", accum_steps=4)
@@ -168,42 +170,20 @@ def test_fp16_inf_gradient_skips_its_step_and_fires_step_skipped(device, make_ml
 def test_output_is_detached_scalars_with_window_keys_at_window_end(
     precision, make_mlp, make_batches
 ):
-    max_grad_norm = 1e-3  # far below every pre-clip norm: each window is clipped
     model = make_mlp()
     trainer = create_trainer(
-        model,
-        sgd(model),
-        F.cross_entropy,
-        precision=precision,
-        accum_steps=2,
-        max_grad_norm=max_grad_norm,
+        model, sgd(model), F.cross_entropy, precision=precision, accum_steps=2, max_grad_norm=1e-3
     )
     outputs = []
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: outputs.append(e.state.output))
     trainer.run(make_batches(4), max_epochs=1)
 
-    window_keys = {"loss", "grad_norm", "grad_norm_clipped", "clipped"}
-    if precision == "fp16":
-        window_keys.add("scale")
+    window_keys = {"loss", "grad_norm", "scale"} if precision == "fp16" else {"loss", "grad_norm"}
     assert [set(output) for output in outputs] == [{"loss"}, window_keys] * 2
     for value in (value for output in outputs for value in output.values()):
         assert isinstance(value, torch.Tensor) and value.dim() == 0
         assert not value.requires_grad
-    for window_end in outputs[1::2]:
-        assert window_end["clipped"].dtype == torch.bool and window_end["clipped"]
-        assert window_end["grad_norm"] > max_grad_norm
-        assert window_end["grad_norm_clipped"] <= max_grad_norm
-
-
-@pytest.mark.parametrize("max_grad_norm", [None, 1e3], ids=["no_clip", "clip_never_bites"])
-def test_unclipped_output_reports_the_pre_clip_norm_twice(max_grad_norm, make_mlp, make_batches):
-    model = make_mlp()
-    trainer = create_trainer(model, sgd(model), F.cross_entropy, max_grad_norm=max_grad_norm)
-    trainer.run(make_batches(1), max_epochs=1)
-
-    output = trainer.state.output
-    assert not output["clipped"]
-    assert torch.equal(output["grad_norm_clipped"], output["grad_norm"])
+    assert all(window_end["grad_norm"] > 1e-3 for window_end in outputs[1::2])  # pre-clip
 
 
 def test_output_loss_is_the_micro_batch_loss_not_divided_by_the_window(make_mlp, make_batches):
@@ -220,15 +200,12 @@ def test_output_loss_is_the_micro_batch_loss_not_divided_by_the_window(make_mlp,
 
 
 @pytest.mark.parametrize("precision", AUTOCAST_DTYPES)
-def test_one_host_sync_per_optimizer_step_and_none_per_micro_batch(
-    precision, monkeypatch, make_mlp, make_batches
-):
+def test_no_host_sync_in_the_step(precision, gate, monkeypatch, make_mlp, make_batches):
     model = make_mlp()
     # SGD, not Adam: Adam reads its step counter with .item(), which is the optimizer's wait.
     trainer = create_trainer(
         model, sgd(model), F.cross_entropy, precision=precision, accum_steps=3, max_grad_norm=1.0
     )
-    data = make_batches(12)
     sync_iterations = []
 
     def counted(original):
@@ -239,10 +216,10 @@ def test_one_host_sync_per_optimizer_step_and_none_per_micro_batch(
         return method
 
     with monkeypatch.context() as patch:  # counts only calls made during the run
-        for name in ("item", "__bool__", "tolist", "cpu", "__float__", "__int__"):
+        for name in ("item", "__bool__", "tolist", "cpu", "numpy", "__float__", "__int__"):
             patch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
-        trainer.run(data, max_epochs=1)
-    assert sync_iterations == [3, 6, 9, 12]  # the guard's skip decision, once per step
+        trainer.run(make_batches(12), max_epochs=1)
+    assert sync_iterations == []  # the first steps too: they create the momentum buffers
     assert trainer.state.optimizer_step == 4
 
 
@@ -303,3 +280,44 @@ def test_default_prepare_batch_keeps_named_tuples():
     Sample = collections.namedtuple("Sample", ["x", "y"])
     moved = move_to_device(Sample(torch.ones(2), torch.zeros(2)), torch.device("meta"))
     assert isinstance(moved, Sample) and moved.x.is_meta and moved.y.is_meta
+
+
+def test_a_steps_event_follows_at_the_next_micro_batch_or_on_settle(make_mlp, make_batches):
+    model = make_mlp()
+    trainer = create_trainer(model, sgd(model), F.cross_entropy, accum_steps=2)
+    seen = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED,
+                              lambda e: seen.append(("completed", e.state.optimizer_step)))
+    trainer.add_event_handler(Events.GET_BATCH_STARTED,
+                              lambda e: seen.append(("next batch", e.state.optimizer_step)))
+    trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP,
+                              lambda e: seen.append(("step", e.state.iteration)))
+    trainer.run(make_batches(4))
+    # The step of iterations 1-2 is settled when iteration 3 starts, before any other
+    # handler of that event; the last one at EPOCH_COMPLETED.
+    assert seen == [("next batch", 0), ("completed", 0), ("next batch", 0), ("completed", 0),
+                    ("step", 2), ("next batch", 1), ("completed", 1),
+                    ("next batch", 1), ("completed", 1), ("step", 4)]
+
+    settled = []
+    trainer = create_trainer(model, sgd(model), F.cross_entropy)
+
+    @trainer.on(Events.ITERATION_COMPLETED)
+    def save(engine) -> None:  # as a checkpoint taken at the step's own micro-batch would
+        engine.settle()
+        settled.append(engine.state.optimizer_step)
+
+    trainer.run(make_batches(3))
+    assert settled == [1, 2, 3] and trainer.state.optimizer_step == 3
+
+
+def test_train_mode_is_set_only_when_something_left_it(make_mlp, make_batches, monkeypatch):
+    model = make_mlp()
+    trainer = create_trainer(model, sgd(model), F.cross_entropy)
+    calls = []
+    original = nn.Module.train
+    monkeypatch.setattr(nn.Sequential, "train",
+                        lambda self, mode=True: calls.append(mode) or original(self, mode))
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(once=2), lambda e: e.model.eval())
+    trainer.run(make_batches(4))
+    assert calls == [False, True]  # the eval() above, then one train() at iteration 3

@@ -41,6 +41,7 @@ class Unsized:
         ({"max_consecutive_skips": 0}, r"max_consecutive_skips must be >= 1"),
         ({"max_consecutive_skips": True}, r"max_consecutive_skips must be an int >= 1"),
         ({"loss_fn": None}, r"loss_fn is required unless forward\(model, batch\)"),
+        ({"compile": "yes"}, r"compile must be True or False"),
     ],
 )
 def test_bad_arguments_name_the_argument_and_the_allowed_values(kwargs, message, make_mlp):
@@ -76,6 +77,32 @@ def test_step_counters_survive_a_weights_only_state_dict_round_trip(
     assert (fresh.state.optimizer_step, fresh.state.skipped_steps) == (3, 0)
     assert fresh.state.consecutive_skips == 0
     assert (fresh.state.iteration, fresh.state.epoch) == (5, 1)
+
+
+def test_compile_keeps_the_module_and_its_state_dict_keys(make_mlp):
+    model = make_mlp()
+    trainer = create_trainer(model, sgd(model), F.cross_entropy, compile=True)
+    assert trainer.model is model
+    assert list(model.state_dict()) == list(make_mlp().state_dict())  # no "_orig_mod." prefix
+
+
+@pytest.mark.slow  # inductor compiles for tens of seconds on a small CPU
+def test_checkpoints_move_between_compiled_and_eager_runs(make_mlp, make_batches):
+    data = make_batches(4)
+    compiled = make_mlp()
+    trainer = create_trainer(compiled, sgd(compiled), F.cross_entropy, compile=True)
+    trainer.run(data[:2])
+    eager = make_mlp(seed=1)
+    optimizer = sgd(eager)
+    eager.load_state_dict(compiled.state_dict())  # strict: the same keys
+    optimizer.load_state_dict(trainer.optimizer.state_dict())
+    create_trainer(eager, optimizer, F.cross_entropy).run(data[2:])
+
+    reference = make_mlp()
+    create_trainer(reference, sgd(reference), F.cross_entropy).run(data)
+    for got, want in zip(eager.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # compiled: last bits differ
+    compiled.load_state_dict(eager.state_dict())
 
 
 def test_accumulation_over_unsized_data_needs_an_epoch_length(make_mlp, make_batches):

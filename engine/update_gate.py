@@ -1,0 +1,90 @@
+"""Applying a window's optimizer step only when its gradient norm is finite, without making
+the host wait for the device."""
+
+import math
+
+import torch
+
+
+class HostGate:
+    """For a device that is the host (the CPU): the norm is in host memory as soon as it is
+    computed, so the step is simply not called when it is not finite. Reading the flag
+    through a NumPy view of its buffer waits for nothing."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._flag = torch.empty((), dtype=torch.bool)
+        self._flag_view = self._flag.numpy()
+
+    def step(self, norm: torch.Tensor, stepped: list[torch.Tensor]) -> None:
+        torch.lt(norm, math.inf, out=self._flag)  # a norm is >= 0, or NaN: NaN < inf is False
+        if self._flag_view[()]:
+            self.optimizer.step()
+
+    def finite(self) -> bool:
+        """Whether the last ``step`` was applied."""
+        return bool(self._flag_view[()])
+
+
+class MaskedGate:
+    """For an accelerator: the step always runs, and on the device every tensor it changed
+    in place (the parameters and their optimizer state) is put back with ``torch.where``
+    when the norm was not finite, so no host decision comes between the backward and the
+    update. The flag is copied to pinned host memory without blocking; ``finite()`` reads
+    it at the next micro-batch, by when the device has normally finished the step.
+
+    What ``torch.where`` cannot put back on the device is put back by ``finite()``, before
+    the next forward and the next step: optimizer state on the host (Adam's ``step``
+    counters unless ``capturable``/``fused``) from a host snapshot, and state the step
+    created (a parameter's first step) or replaced instead of updating in place, by
+    restoring each parameter's state dict as it was. Until then, such state may hold
+    the skipped step's values; the weights never do.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.optimizer = optimizer
+        on_cuda = device.type == "cuda"
+        self._flag = torch.empty((), dtype=torch.bool, pin_memory=on_cuda)
+        self._flag_view = self._flag.numpy()
+        self._copied = torch.cuda.Event() if on_cuda else None
+        self._saved_state: list[tuple[torch.Tensor, dict | None]] = []
+        self._host_snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @torch.no_grad()
+    def step(self, norm: torch.Tensor, stepped: list[torch.Tensor]) -> None:
+        finite = torch.isfinite(norm)
+        state = self.optimizer.state
+        self._saved_state = [(p, dict(state[p]) if p in state else None) for p in stepped]
+        on_device, on_host = list(stepped), []
+        for _, saved in self._saved_state:
+            for value in (saved or {}).values():
+                if isinstance(value, torch.Tensor):
+                    (on_device if value.device == norm.device else on_host).append(value)
+        backups = [t.clone() for t in on_device]
+        self._host_snapshots = [(t, t.clone()) for t in on_host]
+        self.optimizer.step()
+        for live, backup in zip(on_device, backups, strict=True):
+            torch.where(finite, live, backup, out=live)
+        self._flag.copy_(finite, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def finite(self) -> bool:
+        """Whether the last ``step`` was applied; puts back what the device could not."""
+        if self._copied is not None:
+            self._copied.synchronize()  # normally done already: the step was queued earlier
+        finite = bool(self._flag_view[()])
+        if not finite:
+            for live, snapshot in self._host_snapshots:
+                live.copy_(snapshot)
+            for p, saved in self._saved_state:
+                if saved is None:
+                    self.optimizer.state.pop(p, None)
+                else:
+                    self.optimizer.state[p] = saved
+        self._saved_state, self._host_snapshots = [], []
+        return finite
+
+
+def make_gate(optimizer: torch.optim.Optimizer, device: torch.device) -> HostGate | MaskedGate:
+    return HostGate(optimizer) if device.type == "cpu" else MaskedGate(optimizer, device)
