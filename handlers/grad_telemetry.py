@@ -11,6 +11,7 @@ from ignite.engine import Engine, Events
 from tqdm import tqdm
 
 from engine import Trainer, TrainEvents
+from engine.gradients import CLIP_EPS
 
 # A median pre-clip norm above this multiple of max_grad_norm means clipping does the job of a
 # smaller learning rate.
@@ -36,14 +37,16 @@ class GradientTelemetry:
     """Gradient norms, clipping, AMP scale and train loss, summarised every ``log_every`` steps.
 
     ``attach(trainer)`` listens to ``TrainEvents.OPTIMIZER_STEP`` (every applied
-    step), ``TrainEvents.STEP_SKIPPED``, ``Events.ITERATION_COMPLETED`` (the
-    micro-batch losses), and ``Events.COMPLETED``/``Events.TERMINATE``. Between
-    reports everything stays on the device: a row per step (pre-clip norm,
-    post-clip norm, clipped) and a loss sum. Every ``log_every`` optimizer steps one
-    transfer reads them and builds ``stats``: ``loss_mean``, ``lr``,
-    ``grad_norm_mean``, ``grad_norm_max``, ``grad_norm_clipped_mean``,
-    ``clip_fraction``, ``skipped_steps`` and, under fp16, ``amp_scale``. The report
-    is kept as ``latest`` and passed to every ``add_listener`` callback.
+    step), ``Events.ITERATION_COMPLETED`` (the micro-batch losses), and
+    ``Events.COMPLETED``/``Events.TERMINATE``. Between reports nothing runs on the
+    device: the step's pre-clip norm and each micro-batch's loss, already device
+    scalars, are only kept in lists. Every ``log_every`` optimizer steps one transfer
+    reads them and builds ``stats``: ``loss_mean``, ``lr``, ``grad_norm_mean``,
+    ``grad_norm_max``, ``grad_norm_clipped_mean``, ``clip_fraction``, ``skipped_steps``
+    and, under fp16, ``amp_scale``. The post-clip norm and whether a step was clipped
+    follow on the host from the pre-clip norm and the trainer's ``max_grad_norm`` (a
+    step is clipped when its norm exceeds it). The report is kept as ``latest`` and
+    passed to every ``add_listener`` callback.
 
     With ``layer_every`` (a multiple of ``log_every``), an optimizer step pre-hook
     measures each parameter's gradient norm (unscaled, clipped) just before
@@ -84,14 +87,12 @@ class GradientTelemetry:
         self.latest: TelemetryReport | None = None
         self._listeners: list[Callable[[TelemetryReport], None]] = []
         self._trainer: Trainer | None = None
-        # The open interval, on the device: rows of (pre-clip norm, post-clip norm, clipped).
-        self._rows = torch.zeros(log_every, 3)
-        self._steps_in_interval = 0
-        self._loss_sum = torch.zeros(())
-        self._loss_count = 0
+        # The open interval: device scalars, read together at the report.
+        self._norms: list[torch.Tensor] = []  # pre-clip norm of each applied step
+        self._losses: list[torch.Tensor] = []  # every micro-batch's loss
         self._scale: torch.Tensor | None = None
         self._layer_names: list[str] = []
-        self._layer_norms: torch.Tensor | None = None
+        self._layer_norms: list[torch.Tensor] = []
         # The run so far, on the host, filled at each read.
         self._norm_history = array("f")
         self._clipped_total = 0
@@ -100,10 +101,9 @@ class GradientTelemetry:
 
     def attach(self, trainer: Trainer) -> None:
         self._trainer = trainer
-        self._move_to(trainer.precision.device)
+        self._move_to(trainer.precision.device)  # a state loaded before attaching
         trainer.add_event_handler(Events.STARTED, self._on_started)
         trainer.add_event_handler(Events.ITERATION_COMPLETED, self._on_micro_batch)
-        trainer.add_event_handler(TrainEvents.STEP_SKIPPED, self._add_loss)
         trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP, self)
         trainer.add_event_handler(Events.COMPLETED, self._on_end)
         trainer.add_event_handler(Events.TERMINATE, self._on_end)
@@ -115,12 +115,9 @@ class GradientTelemetry:
 
     def __call__(self, engine: Engine) -> None:
         output = engine.state.output
-        self._add_loss(engine)  # the window's last micro-batch: ITERATION_COMPLETED comes later
-        row = torch.stack((output["grad_norm"], output["grad_norm_clipped"], output["clipped"]))
-        self._rows[self._steps_in_interval] = row
+        self._norms.append(output["grad_norm"])
         self._scale = output.get("scale")
-        self._steps_in_interval += 1
-        if self._steps_in_interval == self.log_every:
+        if len(self._norms) == self.log_every:
             self._report(engine)
 
     def health_line(self) -> str:
@@ -144,10 +141,9 @@ class GradientTelemetry:
 
     def state_dict(self) -> dict[str, Any]:
         state = {
-            "rows": self._rows.to("cpu", copy=True),
-            "steps_in_interval": self._steps_in_interval,
-            "loss_sum": self._loss_sum.to("cpu", copy=True),
-            "loss_count": self._loss_count,
+            "log_every": self.log_every,
+            "norms": _to_host(self._norms),
+            "losses": _to_host(self._losses),
             "norm_history": torch.tensor(self._norm_history.tolist(), dtype=torch.float32),
             "clipped_total": self._clipped_total,
             "hist_start": self._hist_start,
@@ -157,20 +153,21 @@ class GradientTelemetry:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["rows"].shape != self._rows.shape:
+        if state["log_every"] != self.log_every:
             raise ValueError(
                 f"log_every={self.log_every} but the saved telemetry used "
-                f"log_every={state['rows'].shape[0]}; resume with the same log_every"
+                f"log_every={state['log_every']}; resume with the same log_every"
             )
-        self._rows.copy_(state["rows"])
-        self._loss_sum.copy_(state["loss_sum"])
-        self._steps_in_interval, self._loss_count = state["steps_in_interval"], state["loss_count"]
-        self._scale = state["scale"].to(self._rows.device) if "scale" in state else None
+        self._norms, self._losses = list(state["norms"].unbind()), list(state["losses"].unbind())
+        self._scale = state.get("scale")
+        if self._trainer is not None:
+            self._move_to(self._trainer.precision.device)
         self._norm_history = array("f", state["norm_history"].tolist())
         self._clipped_total, self._hist_start = state["clipped_total"], state["hist_start"]
 
     def _move_to(self, device: torch.device) -> None:
-        self._rows, self._loss_sum = self._rows.to(device), self._loss_sum.to(device)
+        self._norms = [norm.to(device) for norm in self._norms]
+        self._losses = [loss.to(device) for loss in self._losses]
         if self._scale is not None:
             self._scale = self._scale.to(device)
 
@@ -178,34 +175,34 @@ class GradientTelemetry:
         self._health_printed = False
 
     def _on_micro_batch(self, engine: Engine) -> None:
-        if "grad_norm" not in engine.state.output:  # a window's last one was counted at its step
-            self._add_loss(engine)
-
-    def _add_loss(self, engine: Engine) -> None:
-        self._loss_sum += engine.state.output["loss"]
-        self._loss_count += 1
+        self._losses.append(engine.state.output["loss"])
 
     def _measure_layers(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if (self._trainer.state.optimizer_step + 1) % self.layer_every:
             return  # the step counter moves after optimizer.step(): this is step counter + 1
         model = getattr(self._trainer.model, "module", self._trainer.model)  # DDP: no "module."
         named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
-        if not named:
-            return
-        self._layer_names = [name for name, _ in named]
-        self._layer_norms = torch.stack(
-            [torch.linalg.vector_norm(grad, dtype=torch.float32) for _, grad in named]
-        )
+        if named:
+            self._layer_names = [name for name, _ in named]
+            self._layer_norms = list(
+                torch._foreach_norm([grad for _, grad in named], 2, dtype=torch.float32)
+            )
 
     def _report(self, engine: Engine) -> None:
-        steps, layer_norms = self._steps_in_interval, self._layer_norms
-        parts = [self._rows[:steps].flatten(), self._loss_sum.view(1)]
-        parts += [self._scale.view(1)] if self._scale is not None else []
-        parts += [layer_norms] if layer_norms is not None else []
-        values = torch.cat([part.float() for part in parts]).tolist()  # the interval's one read
-        pre, post, clipped = (values[column : 3 * steps : 3] for column in range(3))
+        steps, losses, layers = len(self._norms), len(self._losses), len(self._layer_norms)
+        extra = [self._scale] if self._scale is not None else []
+        values = torch.stack(  # the interval's one read
+            [*self._norms, *self._losses, *extra, *self._layer_norms]
+        ).float().tolist()
+        pre, loss_values = values[:steps], values[steps : steps + losses]
+        max_grad_norm = self._trainer.max_grad_norm
+        if max_grad_norm is None:
+            post, clipped = pre, [False] * steps
+        else:  # the step's own formula, clip_grad_norm_'s
+            post = [norm * min(1.0, max_grad_norm / (norm + CLIP_EPS)) for norm in pre]
+            clipped = [norm > max_grad_norm for norm in pre]
         stats = {
-            "loss_mean": values[3 * steps] / self._loss_count,
+            "loss_mean": sum(loss_values) / losses,
             "lr": float(self._trainer.optimizer.param_groups[0]["lr"]),
             "grad_norm_mean": sum(pre) / steps,
             "grad_norm_max": max(pre),
@@ -213,18 +210,17 @@ class GradientTelemetry:
             "clip_fraction": sum(clipped) / steps,
             "skipped_steps": float(engine.state.skipped_steps),
         }
-        if self._scale is not None:
-            stats["amp_scale"] = values[3 * steps + 1]
+        if extra:
+            stats["amp_scale"] = values[steps + losses]
         self._norm_history.extend(pre)
-        self._clipped_total += round(sum(clipped))
+        self._clipped_total += sum(clipped)
         top_layers, grad_norms = {}, []
-        if layer_norms is not None:
-            named = zip(self._layer_names, values[-len(layer_norms) :], strict=True)
+        if layers:
+            named = zip(self._layer_names, values[-layers:], strict=True)
             top_layers = dict(sorted(named, key=lambda pair: -pair[1])[: self.top_k_layers])
             grad_norms = self._norm_history[self._hist_start :].tolist()
             self._hist_start = len(self._norm_history)
-        self._steps_in_interval, self._loss_count, self._layer_norms = 0, 0, None
-        self._loss_sum.zero_()
+        self._norms, self._losses, self._layer_norms = [], [], []
         self.latest = TelemetryReport(engine.state.optimizer_step, stats, top_layers, grad_norms)
         for listener in self._listeners:
             listener(self.latest)
@@ -232,7 +228,11 @@ class GradientTelemetry:
     def _on_end(self, engine: Engine) -> None:
         if self._health_printed:  # terminate() fires TERMINATE and then COMPLETED
             return
-        if self._steps_in_interval:
+        if self._norms:
             self._report(engine)
         tqdm.write(self.health_line())  # print() would land inside an open progress bar
         self._health_printed = True
+
+
+def _to_host(values: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(values).float().cpu() if values else torch.zeros(0)

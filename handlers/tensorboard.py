@@ -1,16 +1,19 @@
 """TensorBoard: train curves from gradient telemetry, validation metrics, throughput, hparams."""
 
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from ignite.engine import Engine, Events
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import histogram
 from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
 from engine import Trainer
+from handlers.goal import check_mode, is_better
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
 
 # Telemetry stat -> TensorBoard tag.
@@ -44,8 +47,9 @@ class TensorBoardLogger:
       batch, which is short unless the loader drops it);
     - the trainer's ``Events.COMPLETED``: the HParams entry (``hparams`` flattened,
       the best of each validation metric as ``best/val/<name>``, kept in
-      ``state_dict()`` across a resume; ``minimize`` names the metrics where lower
-      is better) and close.
+      ``state_dict()`` across a resume; ``modes`` gives each metric's direction,
+      ``"min"`` or ``"max"`` as ``handlers.goal`` ranks them; a metric it does not
+      name is logged but has no best) and close.
 
     Built on ``torch.utils.tensorboard.SummaryWriter`` rather than Ignite's
     ``TensorboardLogger``: Ignite's output handlers call ``.item()`` on tensors at
@@ -70,7 +74,7 @@ class TensorBoardLogger:
         log_dir: str | Path,
         hparams: Mapping[str, Any] | None = None,
         batch_size: int | None = None,
-        minimize: Iterable[str] = ("loss",),
+        modes: Mapping[str, str] | None = None,
     ) -> None:
         if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
@@ -78,7 +82,10 @@ class TensorBoardLogger:
             raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")
         if hparams is not None and not isinstance(hparams, Mapping):
             raise ValueError(f"hparams must be None or a mapping, got {type(hparams).__name__}")
-        self.hparams, self.batch_size, self.minimize = hparams, batch_size, set(minimize)
+        modes = {"loss": "min", "accuracy": "max"} if modes is None else dict(modes)
+        for name, mode in modes.items():
+            check_mode(mode, f"modes[{name!r}]")
+        self.hparams, self.batch_size, self.modes = hparams, batch_size, modes
         self.writer = SummaryWriter(log_dir=str(log_dir))
         self.best: dict[str, float] = {}  # validation metric -> best value so far
         self._trainer: Trainer | None = None
@@ -105,14 +112,13 @@ class TensorBoardLogger:
         self.best = dict(state["best"])
 
     def _on_report(self, report: TelemetryReport) -> None:
-        for name, value in report.stats.items():
-            self.writer.add_scalar(TRAIN_TAGS[name], value, report.step)
-        for name, value in report.top_layer_norms.items():
-            self.writer.add_scalar(f"train/layer_grad_norm/{name}", value, report.step)
+        values = [_scalar(TRAIN_TAGS[name], value) for name, value in report.stats.items()]
+        values += [_scalar(f"train/layer_grad_norm/{name}", value)
+                   for name, value in report.top_layer_norms.items()]
         if report.grad_norms:
             norms = torch.tensor(report.grad_norms)
-            self.writer.add_histogram("train/grad_norm_hist", norms, report.step)
-        self.writer.flush()
+            values += histogram("train/grad_norm_hist", norms, bins=self.writer.default_bins).value
+        self._write(values, report.step)
 
     def _on_validation(self, evaluator: Engine) -> None:
         step = self._trainer.state.optimizer_step
@@ -122,8 +128,9 @@ class TensorBoardLogger:
             if not isinstance(value, numbers.Real):
                 continue  # e.g. a confusion matrix
             self.writer.add_scalar(f"val/{name}", value, step)
-            better = min if name in self.minimize else max
-            self.best[name] = better(value, self.best.get(name, value))
+            mode = self.modes.get(name)
+            if mode is not None and is_better(value, self.best.get(name), mode):
+                self.best[name] = float(value)
         self.writer.flush()
 
     def _on_epoch_started(self, trainer: Engine) -> None:
@@ -133,8 +140,13 @@ class TensorBoardLogger:
         step, seconds = trainer.state.optimizer_step, trainer.state.times["EPOCH_COMPLETED"]
         batch_size = self.batch_size or _leading_size(trainer.state.batch)
         iterations = trainer.state.iteration - self._epoch_start_iteration
-        self.writer.add_scalar("perf/epoch_time_sec", seconds, step)
-        self.writer.add_scalar("perf/samples_per_sec", iterations * batch_size / seconds, step)
+        self._write([_scalar("perf/epoch_time_sec", seconds),
+                     _scalar("perf/samples_per_sec", iterations * batch_size / seconds)], step)
+
+    def _write(self, values: list[Summary.Value], step: int) -> None:
+        # One event for all of them: each event record is checksummed twice by a
+        # pure-Python CRC32C, so one per tag cost most of the logging time.
+        self.writer.file_writer.add_summary(Summary(value=values), step)
         self.writer.flush()
 
     def _on_completed(self, trainer: Engine) -> None:
@@ -164,3 +176,8 @@ def _leading_size(batch: Any) -> int:
     while not isinstance(batch, torch.Tensor):
         batch = next(iter(batch.values() if isinstance(batch, Mapping) else batch))
     return batch.shape[0]
+
+
+def _scalar(tag: str, value: float) -> Summary.Value:
+    """What ``add_scalar`` writes for a Python number, without its NumPy round trip."""
+    return Summary.Value(tag=tag, simple_value=float(value))

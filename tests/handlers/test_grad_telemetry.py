@@ -6,43 +6,54 @@ import torch
 from ignite.engine import Events
 from torch import nn
 
-from engine import Trainer, TrainEvents, create_trainer, resolve_precision
+from engine import Trainer, create_trainer, resolve_precision
+from engine.nonfinite import NonFiniteGuard, PendingStep
 from handlers.grad_telemetry import GradientTelemetry
 
-# One entry per micro-batch. A window's last micro-batch carries the step's norms;
-# "skip" marks a skipped step.
+# One entry per micro-batch. A window's last micro-batch carries the step's pre-clip norm
+# (max_grad_norm is 1: the telemetry works out the post-clip norm and the clip); "skip"
+# marks a skipped step.
 SCRIPT = [
     {"loss": 1.0},
-    {"loss": 3.0, "grad_norm": 0.5, "grad_norm_clipped": 0.5, "clipped": False},
-    {"loss": 2.0, "grad_norm": 2.0, "grad_norm_clipped": 1.0, "clipped": True},
-    {"loss": 4.0, "grad_norm": 4.0, "grad_norm_clipped": 1.0, "clipped": True},
-    {"loss": 9.0, "grad_norm": float("nan"), "grad_norm_clipped": float("nan"), "clipped": False,
-     "skip": True},
-    {"loss": 6.0, "grad_norm": 1.0, "grad_norm_clipped": 1.0, "clipped": False},
+    {"loss": 3.0, "grad_norm": 0.5},
+    {"loss": 2.0, "grad_norm": 2.0},
+    {"loss": 4.0, "grad_norm": 4.0},
+    {"loss": 9.0, "grad_norm": float("nan"), "skip": True},
+    {"loss": 6.0, "grad_norm": 1.0},
 ]
 
 
+class ScriptedGate:
+    """Stands in for the update gate: the script says whether the step was applied."""
+
+    applied = True
+
+    def finite(self) -> bool:
+        return self.applied
+
+
 def scripted_trainer(script, max_grad_norm=1.0, scale=None):
-    """A Trainer whose step replays ``script`` by iteration number and fires the step events."""
+    """A Trainer whose step replays ``script`` by iteration number; its steps settle as the
+    real trainer's do, at the next micro-batch or the epoch's end."""
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    gate = ScriptedGate()
+    guard = NonFiniteGuard(gate, {}, "skip", max_consecutive_skips=3)
 
     def step(engine, batch):
         entry = script[engine.state.iteration - 1]
         output = {key: torch.tensor(value) for key, value in entry.items() if key != "skip"}
-        if "grad_norm" in output and scale is not None:
-            output["scale"] = torch.tensor(scale)
-        engine.state.output = output
-        if entry.get("skip"):
-            engine.state.skipped_steps += 1
-            engine.fire_event(TrainEvents.STEP_SKIPPED)
-        elif "grad_norm" in output:
-            engine.state.optimizer_step += 1
-            engine.fire_event(TrainEvents.OPTIMIZER_STEP)
+        if "grad_norm" in output:
+            if scale is not None:
+                output["scale"] = torch.tensor(scale)
+            gate.applied = not entry.get("skip")
+            guard.pending = PendingStep(engine.state.iteration, output, torch.zeros(0), [], [])
         return output
 
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    return Trainer(step, model, optimizer, scaler, resolve_precision("fp32"), 1, max_grad_norm)
+    return Trainer(
+        step, model, optimizer, scaler, resolve_precision("fp32"), 1, max_grad_norm, guard
+    )
 
 
 def run_with_reports(trainer, telemetry, data):
@@ -116,8 +127,9 @@ def test_one_host_read_per_interval_and_none_in_between(monkeypatch):
     )
     trainer.run(range(len(script)), max_epochs=1)
 
-    assert reads_after_iteration == [0, 0, 1, 1, 1, 2, 2, 2, 3]
-    assert set(reads) == {"tolist"}
+    # A step's report comes with its settling, at the next micro-batch (the last: at the end).
+    assert reads_after_iteration == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert reads == ["tolist"] * 3
 
 
 def reference_norms(model, data, lr, max_grad_norm):
@@ -188,6 +200,7 @@ def test_state_roundtrip_resumes_with_identical_reports(tmp_path, capsys):
     first_telemetry.attach(first)
 
     def save_and_stop(engine):  # mid-interval: one step and two losses accumulated
+        engine.settle()  # as a checkpoint at a step's own micro-batch must
         torch.save(first_telemetry.state_dict(), tmp_path / "telemetry.pt")
         torch.save(engine.state_dict(), tmp_path / "trainer.pt")
         engine.terminate()
@@ -211,7 +224,7 @@ def test_load_refuses_a_state_saved_with_another_log_every():
 
 
 def health_line(norms, max_grad_norm):
-    script = [dict(loss=1.0, grad_norm=n, grad_norm_clipped=n, clipped=False) for n in norms]
+    script = [dict(loss=1.0, grad_norm=n) for n in norms]
     trainer = scripted_trainer(script, max_grad_norm=max_grad_norm)
     telemetry = GradientTelemetry(log_every=2)
     run_with_reports(trainer, telemetry, range(len(script)))
