@@ -1,0 +1,128 @@
+"""Byte-level GPT language model (nanoGPT-style) on text files; default: Python's own stdlib.
+
+The text and its split by file come from ``recipes.text_files``, the model from
+``recipes.gpt``. Samples are windows of ``block_size + 1`` bytes; each training window is
+shifted by an offset drawn from (seed, epoch, index), so the order stays resumable. AdamW
+(no decay on biases, norms, embeddings); at the end a sample of generated text is printed.
+"""
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import ignite.distributed as idist
+import torch
+from ignite.engine import Events
+from ignite.metrics import Loss, MetricsLambda
+from torch.nn import functional as F
+from torch.utils.tensorboard import SummaryWriter
+
+from recipes.config import ConfigError, field
+from recipes.data_order import IndexBatches, OrderedBatches
+from recipes.errors import DataError
+from recipes.gpt import GPT, param_groups
+from recipes.recipe import Context, Parts, Recipe
+from recipes.run_config import RunConfig
+from recipes.text_files import STDLIB, read_text
+
+SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200  # the text generated at the end
+
+
+@dataclass
+class Config(RunConfig):
+    epochs: int = field(4, "epochs to train (each reads the training text once)", min=1)
+    batch_size: int = field(16, "global batch size (windows per micro-batch)", min=1,
+                            fixed_on_resume=True)
+    max_grad_norm: float | None = field(1.0, "clip the global gradient norm (none: no clip)",
+                                        min=0, min_exclusive=True)
+    text: str = field(STDLIB, "a file or a folder of files; stdlib: the standard library's "
+                      ".py files (no tests, no site-packages)")
+    val_fraction: float = field(0.1, "files held out for validation", min=0, max=0.5)
+    max_train_bytes: int = field(300_000, "training text cap (bytes)", min=1)
+    max_val_bytes: int = field(60_000, "validation text cap (bytes)", min=1)
+    block_size: int = field(128, "context length in bytes", min=1, fixed_on_resume=True)
+    n_layer: int = field(4, "transformer blocks", min=1, fixed_on_resume=True)
+    n_head: int = field(4, "attention heads", min=1, fixed_on_resume=True)
+    n_embd: int = field(128, "embedding width", min=1, fixed_on_resume=True)
+    dropout: float = field(0.0, "dropout", min=0, max=0.9)
+    weight_decay: float = field(0.1, "AdamW weight decay", min=0, fixed_on_resume=True)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    train: torch.Tensor  # uint8
+    val: torch.Tensor
+    windows: tuple[int, int]  # (training, validation)
+    facts: dict  # the fingerprint
+
+
+def load_data(config: Config) -> Corpus:
+    if config.n_embd % config.n_head:
+        raise ConfigError(f"--n-embd {config.n_embd} must be divisible by --n-head {config.n_head}")
+    train, val, n_files = read_text(config.text, config.val_fraction)
+    train, val = train[:config.max_train_bytes], val[:config.max_val_bytes]
+    span = config.block_size  # a training window's slot leaves room for its shift
+    windows = (len(train) - 1) // span - 1, (len(val) - 1) // span
+    if windows[0] < config.batch_size or windows[1] < 1:
+        raise DataError(f"--text {config.text}: too little text ({len(train)} training, "
+                        f"{len(val)} validation bytes) for {config.batch_size} windows of "
+                        f"{span + 1} bytes (--batch-size, --block-size)")
+    facts = {"version": 1, "kind": "text", "files": n_files, "train_bytes": len(train),
+             "val_bytes": len(val), "sha256": hashlib.sha256(train + val).hexdigest()}
+    train, val = (torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in (train, val))
+    return Corpus(train, val, windows, facts)
+
+
+def next_byte_logits(model: GPT, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [N, 256] in fp32, targets [N]): each byte of a window predicts the next."""
+    return model(batch[:, :-1]).flatten(0, 1).float(), batch[:, 1:].flatten()
+
+
+def build(config: Config, corpus: Corpus, ctx: Context) -> Parts:
+    span = config.block_size
+
+    def shifted_window(index: int, generator: torch.Generator) -> torch.Tensor:
+        start = index * span + int(torch.randint(span, (1,), generator=generator))
+        return corpus.train[start:start + span + 1]
+
+    val_windows = [corpus.val[i * span:(i + 1) * span + 1] for i in range(corpus.windows[1])]
+    model = GPT(256, span, config.n_layer, config.n_head, config.n_embd,
+                config.dropout).to(ctx.device)
+    train_model = idist.auto_model(model) if ctx.world_size > 1 else model  # saved: model
+    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr,
+                                  betas=(0.9, 0.99))  # nanoGPT's for small batches
+
+    def write_sample(trainer) -> None:
+        prompt = torch.tensor([list(SAMPLE_PROMPT)], device=ctx.device)
+        generator = torch.Generator().manual_seed(config.seed)  # leaves the run's RNG alone
+        sample = model.eval().generate(prompt, SAMPLE_BYTES, generator)[0].tolist()
+        text = bytes(sample).decode("utf-8", errors="replace")
+        print(f"sample:\n{text}")
+        with SummaryWriter(ctx.run_dir) as writer:
+            writer.add_text("sample", f"```\n{text}\n```", trainer.state.iteration)
+
+    def attach_sample(trainer, evaluator, plan) -> dict:
+        if ctx.rank == 0:  # only rank 0 writes
+            trainer.add_event_handler(Events.COMPLETED, write_sample)
+        return {}
+
+    loss = Loss(F.cross_entropy, device=ctx.device)
+    return Parts(
+        model=model, train_model=train_model, optimizer=optimizer,
+        metrics={"loss": loss, "perplexity": MetricsLambda(math.exp, loss)},
+        train_batches=IndexBatches(range(corpus.windows[0]), config.batch_size,
+                                   seed=config.seed, rank=ctx.rank, world_size=ctx.world_size,
+                                   transform=shifted_window),
+        val_batches=OrderedBatches(val_windows, config.batch_size, rank=ctx.rank,
+                                   world_size=ctx.world_size),
+        forward=lambda model, batch: F.cross_entropy(*next_byte_logits(model, batch)),
+        predict=next_byte_logits, attach_extra=attach_sample,
+        # Bytes travel as uint8 (8x less to copy) and become token ids on the device.
+        prepare_batch=lambda batch, device, non_blocking: batch.to(
+            device, non_blocking=non_blocking).long())
+
+
+RECIPE = Recipe(
+    name="charlm", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
+    build=build, metrics={"loss": "min", "perplexity": "min"}, best="loss",
+    sample_counts=lambda corpus: corpus.windows, fingerprint=lambda corpus: corpus.facts)

@@ -1,0 +1,65 @@
+"""Text for a language model: the bytes of a file or of a folder's files, split into
+training and validation by file, the same way on every machine.
+
+``"stdlib"`` names the Python standard library's own ``.py`` sources (every machine with
+Python has them), without its test suites and installed packages.
+"""
+
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+
+from recipes.errors import DataError
+
+STDLIB = "stdlib"
+# Not the standard library's own code: installed packages and test suites.
+SKIPPED_STDLIB_FOLDERS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def list_files(text: str) -> tuple[Path, list[Path]]:
+    """The folder that paths are relative to, and the files of ``text`` (a file, a folder
+    read recursively, or ``"stdlib"``), sorted; hidden files and folders are left out."""
+    stdlib = text == STDLIB
+    root = Path(sysconfig.get_paths()["stdlib"] if stdlib else text)
+    files = [root] if root.is_file() else []
+    for folder, subfolders, names in os.walk(root):  # nothing for a file or a missing path
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")
+                         and not (stdlib and name in SKIPPED_STDLIB_FOLDERS)]
+        files += [Path(folder, name) for name in names
+                  if not name.startswith(".") and (name.endswith(".py") or not stdlib)]
+    if not files:
+        raise DataError(f"--text {text}: " + ("the folder holds no files" if root.is_dir()
+                                              else "no such file or folder"))
+    return (root.parent if root.is_file() else root), sorted(files)
+
+
+def split_files(root: Path, files: list[Path], val_fraction: float
+                ) -> tuple[list[Path], list[Path]]:
+    """(train, val), sorted and neither empty (given two files or more): validation holds
+    the files whose path relative to ``root`` hashes below ``val_fraction``."""
+    def unit_hash(path: Path) -> float:  # sha256, not hash(): the same in every process
+        digest = hashlib.sha256(path.relative_to(root).as_posix().encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64
+
+    by_hash = sorted(files, key=unit_hash)
+    n_val = min(max(1, sum(unit_hash(path) < val_fraction for path in files)), len(files) - 1)
+    return sorted(by_hash[n_val:]), sorted(by_hash[:n_val])
+
+
+def read_text(text: str, val_fraction: float) -> tuple[bytes, bytes, int]:
+    """(training bytes, validation bytes, file count) of ``text``, each part's files
+    concatenated in sorted order. A single file keeps its last ``val_fraction`` for
+    validation, as nanoGPT splits one text. ``DataError`` names a missing or unreadable
+    path."""
+    root, files = list_files(text)
+    try:
+        if len(files) > 1:
+            train, val = (b"".join(path.read_bytes() for path in part)
+                          for part in split_files(root, files, val_fraction))
+            return train, val, len(files)
+        whole = files[0].read_bytes()
+    except OSError as error:
+        raise DataError(f"--text: cannot read {error.filename}: {error.strerror}") from None
+    cut = len(whole) - max(1, int(len(whole) * val_fraction))
+    return whole[:cut], whole[cut:], 1
