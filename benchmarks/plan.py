@@ -34,6 +34,10 @@ class Plan:
     epoch_repeats: int
     epoch_eval_images: int
     epoch_train_images: int
+    # Section 5 (CUDA only)
+    gpu_warmup: int
+    gpu_timed: int
+    gpu_repeats: int
 
 
 FULL = Plan(
@@ -43,6 +47,7 @@ FULL = Plan(
     data_batch=256, data_timed=16, data_repeats=5,
     epoch_batch=256, epoch_warmup=2, epoch_timed=6, epoch_repeats=3, epoch_eval_images=256,
     epoch_train_images=50_000,
+    gpu_warmup=5, gpu_timed=20, gpu_repeats=3,
 )
 
 # Proves every code path runs, in seconds; its numbers mean nothing.
@@ -53,4 +58,5 @@ QUICK = Plan(
     data_batch=32, data_timed=2, data_repeats=1,
     epoch_batch=8, epoch_warmup=1, epoch_timed=1, epoch_repeats=1, epoch_eval_images=8,
     epoch_train_images=512,
+    gpu_warmup=1, gpu_timed=2, gpu_repeats=1,
 )
