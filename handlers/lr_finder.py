@@ -296,6 +296,9 @@ def find_lr(
 ) -> LRFinderResult:
     """Run an LR range test with ``trainer``'s step and return the curve and a suggestion.
 
+    - ``trainer``: from ``create_trainer``, with no handlers attached (refused otherwise,
+      see the module docstring) and not running; it runs the sweep on a fresh engine
+      state and gets its own back afterwards.
     - ``batches``: micro-batches as the trainer's step takes them (the training loader);
       each optimizer step takes ``trainer.accum_steps`` of them, and the sweep ends early
       when they run out (an incomplete last window is not used). Pass enough for
@@ -307,12 +310,14 @@ def find_lr(
       times its minimum (``None``: never), or on a non-finite loss. The rule assumes a
       positive loss.
     - ``restore``: further objects with ``state_dict``/``load_state_dict`` to put back,
-      such as LR schedulers. None of the trainer's handlers runs during the sweep, so
-      they do not move; passing them makes that a guarantee rather than an assumption.
+      such as LR schedulers. The sweep steps no scheduler (it sets the LR itself), so they
+      should not move; passing them makes that a guarantee rather than an assumption.
 
     Model (weights, buffers, gradients, train/eval modes), optimizer (state and
-    hyperparameters), GradScaler, the torch CPU/CUDA and Python ``random`` generators and
-    ``restore`` are restored bit for bit afterwards, also when the sweep raises.
+    hyperparameters), GradScaler, the trainer's engine state, the torch CPU/CUDA and
+    Python ``random`` generators and ``restore`` are restored bit for bit afterwards, also
+    when the sweep raises. A non-finite step ends the sweep; with ``non_finite="raise"``
+    Ignite logs the ``NonFiniteGradientError`` before ``find_lr`` catches it.
 
     Example::
 
