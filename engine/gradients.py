@@ -1,28 +1,31 @@
-"""The window's gradient norm and clip, in as few device ops as the reference computes them."""
+"""The window's gradient norm and clip, with the ops and rounding of ``clip_grad_norm_``."""
 
+import numpy as np
 import torch
 
 # clip_grad_norm_'s guard against a zero norm: the same constant keeps the clip bit-identical.
 CLIP_EPS = 1e-6
 
 
-def norms_and_clip(
-    grads: list[torch.Tensor], max_grad_norm: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-gradient norms, global pre-clip norm), both on the device; the gradients are
-    scaled in place by ``min(1, max_grad_norm / (norm + 1e-6))`` when ``max_grad_norm`` is set.
+def gradient_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """One norm per gradient, stacked: ``get_total_norm``'s first two ops. Its global norm is
+    ``vector_norm`` of these, bit-identical when every gradient shares one device and dtype
+    (it groups by both; mixed groups are summed in another order)."""
+    return torch.stack(torch._foreach_norm(grads))
 
-    The same ops as ``clip_grad_norm_``/``get_total_norm`` (one ``_foreach_norm``, the norm
-    of the stacked norms, one ``_foreach_mul_``), so values are bit-identical when every
-    gradient shares one device and dtype (those functions group by both; the norms of
-    mixed groups are summed in another order). Nothing is read on the host, and the
-    multiply by 1.0 of an unclipped window costs less than deciding on the host would.
-    """
-    per_gradient = torch.stack(torch._foreach_norm(grads))
-    norm = torch.linalg.vector_norm(per_gradient)
-    if max_grad_norm is not None:
-        # max / (norm + eps) is reciprocal-then-multiply in torch; the in-place chain keeps
-        # that order and allocates one tensor instead of three.
-        coef = (norm + CLIP_EPS).reciprocal_().mul_(max_grad_norm).clamp_(max=1.0)
-        torch._foreach_mul_(grads, coef)
-    return per_gradient, norm
+
+def clip_on_device(grads: list[torch.Tensor], norm: torch.Tensor, max_grad_norm: float) -> None:
+    """Scale ``grads`` by ``min(1, max_grad_norm / (norm + 1e-6))`` without reading the norm:
+    an unclipped window is multiplied by exactly 1.0."""
+    # max / (norm + eps) is reciprocal-then-multiply in torch; the in-place chain keeps that
+    # order and allocates one tensor instead of three.
+    coef = (norm + CLIP_EPS).reciprocal_().mul_(max_grad_norm).clamp_(max=1.0)
+    torch._foreach_mul_(grads, coef)
+
+
+def host_clip_coefficient(norm: float, max_grad_norm: float) -> float:
+    """``clip_on_device``'s coefficient from a float32 norm read on the host, in float32
+    arithmetic as torch's ops round it, so a multiply by it is bit-identical."""
+    one, norm32 = np.float32(1.0), np.float32(norm)
+    coef = np.float32(max_grad_norm) * (one / (norm32 + np.float32(CLIP_EPS)))
+    return float(min(coef, one))

@@ -9,7 +9,6 @@ from ignite.engine import Engine, State
 from torch import nn
 
 from engine.batch import Forward, PrepareBatch
-from engine.gradients import norms_and_clip
 from engine.nonfinite import NonFiniteGuard, PendingStep
 from engine.precision import Precision
 
@@ -62,19 +61,17 @@ def make_train_step(
         if not closes_window:
             return output
 
-        # 4-5: unscale, one global pre-clip norm on the device, clip with it.
+        # 4-5: unscale, then (in the gate) one global pre-clip norm and the clip.
         if precision.uses_scaler:
             scaler.unscale_(optimizer)
             # The scale this window was scaled with; cloned because update() changes it in place.
             output["scale"] = scaler._get_scale_async().detach().clone()
+        # 6-7: the step, kept off the weights if the norm is not finite (see update_gate);
+        # the scale update (fp16) backs off after an overflow, on the device.
         stepped = [p for p in params if p.grad is not None]
-        gradient_norms, output["grad_norm"] = norms_and_clip(
-            [p.grad for p in stepped], max_grad_norm
+        gradient_norms, output["grad_norm"] = guard.gate.update(
+            [p.grad for p in stepped], stepped, max_grad_norm
         )
-
-        # 6-7: the step, kept off the weights on the device if the norm is not finite; the
-        # scale update (fp16) backs off after an overflow, also on the device.
-        guard.gate.step(output["grad_norm"], stepped)
         if precision.uses_scaler:
             scaler.update()
         optimizer.zero_grad(set_to_none=True)

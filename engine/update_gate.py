@@ -1,37 +1,52 @@
-"""Applying a window's optimizer step only when its gradient norm is finite, without making
-the host wait for the device."""
+"""Clipping a window's gradients and applying its optimizer step only when their norm is
+finite, without making the host wait for the device."""
 
 import math
 
 import torch
 
+from engine.gradients import clip_on_device, gradient_norms, host_clip_coefficient
+
 
 class HostGate:
     """For a device that is the host (the CPU): the norm is in host memory as soon as it is
-    computed, so the step is simply not called when it is not finite. Reading the flag
-    through a NumPy view of its buffer waits for nothing."""
+    computed, so the clip is decided on the host (a multiply only when it bites) and the
+    step is not called when the norm is not finite. The norm is read through a NumPy view of
+    its buffer, which waits for nothing."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._flag = torch.empty((), dtype=torch.bool)
-        self._flag_view = self._flag.numpy()
+        self._norm = torch.empty(())
+        self._norm_view = self._norm.numpy()
+        self._finite = True
 
-    def step(self, norm: torch.Tensor, stepped: list[torch.Tensor]) -> None:
-        torch.lt(norm, math.inf, out=self._flag)  # a norm is >= 0, or NaN: NaN < inf is False
-        if self._flag_view[()]:
+    def update(
+        self, grads: list[torch.Tensor], stepped: list[torch.Tensor], max_grad_norm: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-gradient norms, global pre-clip norm) of a window, after its update."""
+        per_gradient = gradient_norms(grads)
+        torch.linalg.vector_norm(per_gradient, out=self._norm)
+        norm = float(self._norm_view[()])
+        self._finite = math.isfinite(norm)
+        if self._finite:
+            coef = 1.0 if max_grad_norm is None else host_clip_coefficient(norm, max_grad_norm)
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
             self.optimizer.step()
+        return per_gradient, self._norm.clone()
 
     def finite(self) -> bool:
-        """Whether the last ``step`` was applied."""
-        return bool(self._flag_view[()])
+        """Whether the last ``update`` stepped."""
+        return self._finite
 
 
 class MaskedGate:
-    """For an accelerator: the step always runs, and on the device every tensor it changed
-    in place (the parameters and their optimizer state) is put back with ``torch.where``
-    when the norm was not finite, so no host decision comes between the backward and the
-    update. The flag is copied to pinned host memory without blocking; ``finite()`` reads
-    it at the next micro-batch, by when the device has normally finished the step.
+    """For an accelerator: the clip and the step always run, and on the device every tensor
+    the step changed in place (the parameters and their optimizer state) is put back with
+    ``torch.where`` when the norm was not finite, so no host decision comes between the
+    backward and the update. The flag is copied to pinned host memory without blocking;
+    ``finite()`` reads it at the next micro-batch, by when the device has normally
+    finished the step.
 
     What ``torch.where`` cannot put back on the device is put back by ``finite()``, before
     the next forward and the next step: optimizer state on the host (Adam's ``step``
@@ -51,7 +66,14 @@ class MaskedGate:
         self._host_snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @torch.no_grad()
-    def step(self, norm: torch.Tensor, stepped: list[torch.Tensor]) -> None:
+    def update(
+        self, grads: list[torch.Tensor], stepped: list[torch.Tensor], max_grad_norm: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-gradient norms, global pre-clip norm) of a window, after its update."""
+        per_gradient = gradient_norms(grads)
+        norm = torch.linalg.vector_norm(per_gradient)
+        if max_grad_norm is not None:
+            clip_on_device(grads, norm, max_grad_norm)
         finite = torch.isfinite(norm)
         state = self.optimizer.state
         self._saved_state = [(p, dict(state[p]) if p in state else None) for p in stepped]
@@ -68,9 +90,10 @@ class MaskedGate:
         self._flag.copy_(finite, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        return per_gradient, norm
 
     def finite(self) -> bool:
-        """Whether the last ``step`` was applied; puts back what the device could not."""
+        """Whether the last ``update`` was applied; puts back what the device could not."""
         if self._copied is not None:
             self._copied.synchronize()  # normally done already: the step was queued earlier
         finite = bool(self._flag_view[()])
