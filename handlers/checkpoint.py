@@ -39,10 +39,10 @@ from handlers.checkpoint_files import (
     write_atomically,
 )
 from handlers.crash_points import CrashPoints
+from handlers.goal import check_mode
 
 logger = logging.getLogger(__name__)
 
-MODES = ("max", "min")
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,7 @@ class Checkpointer:
                 raise ValueError(f"{name} must be an int >= 1 (checkpoints), got {value!r}")
         if metric is not None and (not isinstance(metric, str) or not metric):
             raise ValueError(f"metric must be an evaluator metric name or None, got {metric!r}")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is not known; allowed: 'max', 'min'")
+        check_mode(mode)
         if isinstance(file_mode, bool) or not isinstance(file_mode, int) or (
             file_mode & ~0o777 or file_mode & 0o600 != 0o600
         ):

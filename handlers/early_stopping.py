@@ -7,7 +7,7 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
-MODES = ("min", "max")
+from handlers.goal import check_mode, is_better
 
 
 class EarlyStopping:
@@ -52,8 +52,7 @@ class EarlyStopping:
             raise ValueError(f"metric must be the name of an evaluator metric, got {metric!r}")
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be an int >= 1 (evaluations), got {patience!r}")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is not known; allowed: 'min', 'max'")
+        check_mode(mode)
         if (
             isinstance(min_delta, bool)
             or not isinstance(min_delta, int | float)
@@ -101,13 +100,7 @@ class EarlyStopping:
             self.trainer.terminate()
 
     def _improves(self, score: float) -> bool:
-        if not math.isfinite(score):
-            return False
-        if self._best_score is None:
-            return True
-        if self.mode == "min":
-            return score < self._best_score - self.min_delta
-        return score > self._best_score + self.min_delta
+        return is_better(score, self._best_score, self.mode, self.min_delta)
 
     def attach_restore(self) -> None:
         """Restore the best weights when the trainer's run ends, however it ends.

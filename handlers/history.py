@@ -1,13 +1,14 @@
 """The run's history in plain numbers: what ``summary.json`` and the curves PNG are made of."""
 
-import math
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from ignite.engine import Engine, Events
 
 from engine import Trainer
+from handlers.goal import best_of, check_mode
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
 
 
@@ -23,16 +24,19 @@ class RunHistory:
 
     Example::
 
-        history = RunHistory(batch_size=512)
+        history = RunHistory(batch_size=512, modes={"accuracy": "max", "loss": "min"})
         history.attach(trainer, telemetry, evaluator)
         trainer.run(batches, max_epochs=3)
         print(history.summary(trainer))
     """
 
-    def __init__(self, batch_size: int) -> None:
+    def __init__(self, batch_size: int, modes: Mapping[str, str] | None = None) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        self.batch_size = batch_size
+        modes = {"accuracy": "max", "loss": "min"} if modes is None else dict(modes)
+        for name, mode in modes.items():
+            check_mode(mode, f"modes[{name!r}]")
+        self.batch_size, self.modes = batch_size, modes
         self.train: dict[str, list[float]] = {"step": [], "loss": [], "lr": []}
         self.val: dict[str, list[float]] = {"step": []}
         self.epochs_completed = 0
@@ -89,16 +93,17 @@ class RunHistory:
         return self._wall_before_session + time.monotonic() - self._session_start
 
     def summary(self, trainer: Trainer) -> dict[str, Any]:
-        """``summary.json``: final and best metrics, steps, skipped steps, times."""
-        accuracy, loss = self.val.get("accuracy", []), self.val.get("loss", [])
+        """``summary.json``: ``best_val_<name>`` and ``final_val_<name>`` of every metric in
+        ``modes`` (best by its direction), steps, skipped steps, times."""
         seconds, samples = self._open_epoch()  # an interrupted run's partial epoch counts
         train_time, samples = self.train_time_sec + seconds, self.train_samples + samples
-        finite = [a for a in accuracy if math.isfinite(a)]
+        metrics: dict[str, float | None] = {}
+        for name, mode in self.modes.items():
+            values = self.val.get(name, [])
+            metrics[f"best_val_{name}"] = best_of(values, mode)
+            metrics[f"final_val_{name}"] = values[-1] if values else None
         return {
-            "best_val_accuracy": max(finite) if finite else None,
-            "final_val_accuracy": accuracy[-1] if accuracy else None,
-            "best_val_loss": min((v for v in loss if math.isfinite(v)), default=None),
-            "final_val_loss": loss[-1] if loss else None,
+            **metrics,
             "epochs_completed": self.epochs_completed,
             "stopped_early": self.stopped_early,
             "optimizer_steps": trainer.state.optimizer_step,

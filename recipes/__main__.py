@@ -1,5 +1,9 @@
 """``python -m recipes <name> [--key value ...]``: run a recipe from the command line.
 
+``<name>`` is any ``recipes/<name>.py`` that declares ``RECIPE = Recipe(...)``, or the
+path of such a file. ``--help`` lists the keys; ``--describe`` prints the run's wiring
+(every event and its handlers) without training or writing anything.
+
 User mistakes (a bad key or value, missing data, no usable checkpoint) end with
 one ``error:`` line and exit code 2, before anything is written to disk.
 A run that stops on its own also ends with one ``error:`` line (or a summary):
@@ -8,23 +12,23 @@ full, permission denied, read-only folder; the previous checkpoint is intact),
 143 after SIGTERM and 130 after Ctrl-C (each once the current step is saved).
 """
 
-import importlib
 import logging
 import sys
 from collections.abc import Sequence
 
 from recipes.config import help_text, parse_args
 from recipes.errors import USER_ERRORS
-
-RECIPES = {
-    "cifar": ("recipes.cifar", "CIFAR-10 image classification (airbench-style net or ResNet-18)"),
-}
+from recipes.registry import find_recipes, load_recipe
+from recipes.run import describe_run, run
 
 
 def _usage() -> str:
-    lines = ["usage: python -m recipes <recipe> [--key value ...]", "", "recipes:"]
-    lines += [f"  {name:<10} {summary}" for name, (_, summary) in RECIPES.items()]
-    lines += ["", "`python -m recipes <recipe> --help` lists every key with its default."]
+    lines = ["usage: python -m recipes <recipe> [--key value ...] [--help | --describe]", "",
+             "recipes:"]
+    lines += [f"  {name:<10} {summary}" for name, summary in find_recipes().items()]
+    lines += ["", "<recipe> may also be the path of a recipe file (my_task.py).",
+              "`python -m recipes <recipe> --help` lists every key with its default;",
+              "`python -m recipes <recipe> --describe` prints the run's events and handlers."]
     return "\n".join(lines)
 
 
@@ -34,18 +38,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     name, rest = args[0], args[1:]
-    if name not in RECIPES:
-        print(f"error: unknown recipe {name!r}; available: {', '.join(RECIPES)}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(RECIPES[name][0])
-    if "-h" in rest or "--help" in rest:
-        print(help_text(module.Config, f"python -m recipes {name}", RECIPES[name][1]))
-        return 0
     # Ignite logs every exception that leaves a run; the ones we handle get their own line.
     logging.getLogger("ignite.engine.engine").setLevel(logging.CRITICAL)
     try:
-        config, given = parse_args(module.Config, rest)
-        return module.main(config, given)
+        recipe = load_recipe(name)
+        if "-h" in rest or "--help" in rest:
+            print(help_text(recipe.config, f"python -m recipes {name}", recipe.summary))
+            return 0
+        describe = "--describe" in rest
+        config, given = parse_args(recipe.config, [arg for arg in rest if arg != "--describe"])
+        if describe:
+            print(describe_run(recipe, config))
+            return 0
+        return run(recipe, config, given)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

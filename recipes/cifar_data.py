@@ -27,6 +27,8 @@ import torch
 import torchvision
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
+from recipes.errors import DataError
+
 IMAGE_SHAPE = (3, 32, 32)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 PYTHON_BATCHES_FOLDER = "cifar-10-batches-py"  # torchvision's layout under data_dir
@@ -35,10 +37,6 @@ CACHE_ENV = "IGNITE_ENGINE_CACHE"  # overrides the cache folder, e.g. for tests
 CACHE_FORMAT = 1  # bump when decoding or the cached layout changes: older caches then miss
 
 logger = logging.getLogger(__name__)
-
-
-class DataError(RuntimeError):
-    """The data set is missing, incomplete or has an unreadable file (the message says which)."""
 
 
 @dataclass(frozen=True)

@@ -11,20 +11,25 @@ from handlers.history import RunHistory  # noqa: E402
 
 
 def plot_curves(history: RunHistory, path: Path, title: str) -> None:
-    """Three panels on the optimizer-step axis: loss (train, val), val accuracy, learning rate."""
-    fig, (loss_ax, acc_ax, lr_ax) = plt.subplots(1, 3, figsize=(15, 4))
+    """Panels on the optimizer-step axis: loss (train, and validation when the recipe
+    reports a ``loss``), each other validation metric of ``history.modes``, learning rate."""
     train, val = history.train, history.val
+    others = [name for name in history.modes if name != "loss"]
+    fig, axes = plt.subplots(1, 2 + len(others), figsize=(5 * (2 + len(others)), 4))
+    loss_ax, lr_ax = axes[0], axes[-1]
     loss_ax.plot(train["step"], train["loss"], label="train (interval mean)")
     if "loss" in val:
         loss_ax.plot(val["step"], val["loss"], "o-", label="validation")
     loss_ax.set(title="loss", xlabel="optimizer step", yscale="log")
     loss_ax.legend()
-    if "accuracy" in val:
-        acc_ax.plot(val["step"], [100 * a for a in val["accuracy"]], "o-")
-    acc_ax.set(title="validation accuracy (%)", xlabel="optimizer step")
+    for name, ax in zip(others, axes[1:-1], strict=True):
+        if name in val:
+            ax.plot(val["step"], val[name], "o-")
+        better = "higher" if history.modes[name] == "max" else "lower"
+        ax.set(title=f"validation {name} ({better} is better)", xlabel="optimizer step")
     lr_ax.plot(train["step"], train["lr"])
     lr_ax.set(title="learning rate", xlabel="optimizer step")
-    for ax in (loss_ax, acc_ax, lr_ax):
+    for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()

@@ -4,10 +4,8 @@ The whole uint8 set moves to the device once; each batch is gathered by index,
 augmented (random crop + horizontal flip as one batched gather), converted to
 float and normalised there: no per-sample Python work and no worker processes.
 
-Randomness is a pure function of ``(seed, epoch, index)`` (DESIGN.md,
-"Randomness and exact resume"): the epoch's order comes from a generator
-seeded with ``(seed, epoch)`` and batch ``i``'s augmentation from one seeded
-with ``(seed, epoch, i)``. So a resumed run skips straight to its batch, and
+Order and augmentation are pure functions of ``(seed, epoch, index)``, as
+``recipes.data_order`` describes: a resumed run skips straight to its batch, and
 ``world_size`` processes together see exactly the batches of one process.
 """
 
@@ -16,26 +14,14 @@ from collections.abc import Iterator
 import torch
 from ignite.engine import Engine
 
+from recipes.data_order import EpochPosition, check_int, check_rank, epoch_order, mix_seed
+
 # Per-channel statistics of the CIFAR-10 training set, on the 0-1 pixel scale.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-_MASK64 = (1 << 64) - 1
 FLIPS = ("random", "alternating")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def mix_seed(*values: int) -> int:
-    """One generator seed (63-bit) from several ints, by chained splitmix64 steps:
-    nearby tuples such as (seed, epoch) and (seed, epoch + 1) give unrelated seeds,
-    and unlike ``hash()`` the result is the same in every process and Python run."""
-    state = 0
-    for value in values:
-        state = (state + value + 0x9E3779B97F4A7C15) & _MASK64
-        state = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        state = ((state ^ (state >> 27)) * 0x94D049BB133111EB) & _MASK64
-        state ^= state >> 31
-    return state >> 1
 
 
 def _check_images(images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -45,18 +31,6 @@ def _check_images(images: torch.Tensor, labels: torch.Tensor) -> None:
         )
     if labels.shape != (images.shape[0],):
         raise ValueError(f"labels must have shape ({images.shape[0]},), got {tuple(labels.shape)}")
-
-
-def _check_rank(rank: int, world_size: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-
-
-def _check_batch_size(batch_size: int) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
 
 
 class _Normalise:
@@ -119,8 +93,8 @@ class TrainBatches:
         std: tuple[float, float, float] = CIFAR10_STD,
     ) -> None:
         _check_images(images, labels)
-        _check_rank(rank, world_size)
-        _check_batch_size(batch_size)
+        check_rank(rank, world_size)
+        check_int("batch_size", batch_size, 1)
         if batch_size % world_size:
             raise ValueError(
                 f"batch_size {batch_size} (global) must be divisible by world_size {world_size}"
@@ -155,12 +129,11 @@ class TrainBatches:
         self.crop_padding, self.drop_last = crop_padding, drop_last
         self.rank, self.world_size = rank, world_size
         self.normalise = _Normalise(mean, std, self.device, channels_last)
-        self.engine: Engine | None = None
-        self._next_epoch = 1  # used only while unbound
+        self.position = EpochPosition()
 
     def bind(self, engine: Engine) -> "TrainBatches":
         """Read epoch and position from ``engine.state`` at the start of each epoch."""
-        self.engine = engine
+        self.position.bind(engine)
         return self
 
     def __len__(self) -> int:
@@ -170,23 +143,12 @@ class TrainBatches:
     def __iter__(self) -> Iterator[Batch]:
         # A generator: this body runs at the first next(), after Ignite has advanced
         # state.epoch (1-based) for the new epoch; state.iteration counts completed steps.
-        if self.engine is None:
-            epoch, start = self._next_epoch, 0
-            self._next_epoch += 1
-        else:
-            state = self.engine.state
-            if state.epoch_length != len(self):
-                raise ValueError(
-                    f"the engine's epoch_length {state.epoch_length} must equal len(batches) "
-                    f"{len(self)} for the epoch position to be known"
-                )
-            epoch, start = state.epoch, state.iteration - (state.epoch - 1) * len(self)
+        epoch, start = self.position.start(len(self))
         yield from self.epoch_batches(epoch, start)
 
     def epoch_batches(self, epoch: int, start: int = 0) -> Iterator[Batch]:
         """Batches ``start, start+1, ...`` of epoch ``epoch`` (1-based), this rank's slice."""
-        order_generator = torch.Generator(self.device).manual_seed(mix_seed(self.seed, epoch))
-        order = torch.randperm(len(self.labels), generator=order_generator, device=self.device)
+        order = epoch_order(len(self.labels), self.seed, epoch, self.device)
         local = self.batch_size // self.world_size
         for index in range(start, len(self)):
             global_indices = order[index * self.batch_size:(index + 1) * self.batch_size]
@@ -251,8 +213,8 @@ class EvalBatches:
         std: tuple[float, float, float] = CIFAR10_STD,
     ) -> None:
         _check_images(images, labels)
-        _check_rank(rank, world_size)
-        _check_batch_size(batch_size)
+        check_rank(rank, world_size)
+        check_int("batch_size", batch_size, 1)
         n = len(labels)
         lo, hi = rank * n // world_size, (rank + 1) * n // world_size
         self.device = torch.device(device)

@@ -23,7 +23,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torchvision.io import encode_jpeg
 
-from recipes import cifar
+from recipes import run
 from recipes.__main__ import main
 from recipes.cifar import SHARED_CIFAR, Config
 from recipes.models import build_model
@@ -165,7 +165,8 @@ BAD_INPUT = {
     "missing value": (["cifar", "--lr"], ["--lr", "missing value"]),
     "stray word": (["cifar", "lr", "1"], ["unexpected argument 'lr'", "--key value"]),
     "resume file": (["cifar", "--resume", "gone.pt"], ["--resume", "'gone.pt' is not a file"]),
-    "warmup too long": (["cifar", "--epochs", "2"], ["--warmup-epochs", "< --epochs 2"]),
+    "warmup too long": (["cifar", "--epochs", "2", "--warmup-epochs", "2"],
+                        ["--warmup-epochs", "< --epochs 2"]),
     "batch above data": (["cifar", "--dataset", "synthetic", "--train-subset", "64",
                           "--val-subset", "8", "--batch-size", "128"],
                          ["--batch-size 128", "64 training samples"]),
@@ -346,14 +347,14 @@ def test_resume_never_into_a_folder_with_checkpoints_exits_2(tiny_run, capsys):
 def test_a_summary_the_disk_refuses_is_one_error_line_and_exit_4(tmp_path, monkeypatch,
                                                                   capsys):
     monkeypatch.chdir(tmp_path)
-    write_json_atomic = cifar.write_json_atomic
+    write_json_atomic = run.write_json_atomic
 
     def disk_full_for_the_summary(path: Path, data: dict) -> None:
         if path.name == "summary.json":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         write_json_atomic(path, data)
 
-    monkeypatch.setattr(cifar, "write_json_atomic", disk_full_for_the_summary)
+    monkeypatch.setattr(run, "write_json_atomic", disk_full_for_the_summary)
     code = main(["cifar", *RESUMABLE, "--run-name", "full"])
     err = capsys.readouterr().err
     assert code == 4

@@ -2,7 +2,8 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 
-from recipes.data_batches import CIFAR10_MEAN, CIFAR10_STD, EvalBatches, TrainBatches, mix_seed
+from recipes.data_batches import CIFAR10_MEAN, CIFAR10_STD, EvalBatches, TrainBatches
+from recipes.data_order import mix_seed
 
 
 def make_data(n=40, seed=0):

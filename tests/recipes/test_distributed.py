@@ -28,10 +28,11 @@ from engine import create_evaluator, new_run_id
 from handlers import read_checkpoint
 from recipes import cifar, models
 from recipes.__main__ import main as cli
-from recipes.cifar_data import DataError
 from recipes.data_batches import EvalBatches
 from recipes.distributed import process_device, rank_zero_exit_code, share_machine, spawn
+from recipes.errors import DataError
 from recipes.models import TTA_PREDICTS
+from recipes.run import Started, train
 
 REPO = Path(__file__).resolve().parents[2]
 _BUILT: list[nn.Module] = []  # the tiny nets built in this process, newest last
@@ -90,7 +91,7 @@ def _count_and_fault(fault: dict | None):
 
 def _train_rank(local_rank: int, config: cifar.Config, run_dir: Path, run_id: str,
                 fault: dict | None) -> int:
-    """``cifar.train_process`` with the tiny net; also leaves this rank's weights, forward
+    """The run layer's ``train_process`` with the tiny net; also leaves this rank's weights, forward
     count and exit code in ``run_dir/rank<r>.pt``."""
     _install_tiny(fault)
     share_machine(process_device(config.device))
@@ -98,7 +99,8 @@ def _train_rank(local_rank: int, config: cifar.Config, run_dir: Path, run_id: st
     if fault is not None and fault["kind"] == "disk_full" and idist.get_rank() == fault["rank"]:
         torch.save = _disk_full_from(fault["from_save"], real_save)
     try:
-        exit_code = cifar.train(config, run_dir, run_id, cifar.load_data(config))
+        exit_code = train(cifar.RECIPE, config,
+                          Started(run_dir, run_id, {}, cifar.load_data(config)))
     finally:
         torch.save = real_save
     net = _BUILT[-1]

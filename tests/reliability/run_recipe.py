@@ -1,8 +1,10 @@
-"""``python tests/reliability/run_recipe.py cifar --key value ...``: the recipe command line,
-run exactly as ``python -m recipes`` runs it, with test-only faults switched on by environment
-variables. The reliability tests start every training run through this file.
+"""``python tests/reliability/run_recipe.py <recipe> --key value ...``: the recipe command
+line, run exactly as ``python -m recipes`` runs it, with test-only faults switched on by
+environment variables. The reliability tests start every training run through this file.
+The faults wrap the run layer's ``create_trainer``/``create_evaluator``, so they work the
+same for every recipe.
 
-Always: the airbench net is built with narrow conv groups (``TEST_WIDTHS``), so that a
+Always: CIFAR's airbench net is built with narrow conv groups (``TEST_WIDTHS``), so that a
 24-iteration CPU run takes seconds, not a minute; everything else (whitening layer,
 BatchNorm running statistics, checkpoint contents, data order) is the real recipe's.
 
@@ -36,6 +38,8 @@ import torch
 from ignite.engine import Events
 
 import recipes.cifar
+import recipes.run
+from engine.batch import supervised_forward
 from recipes.models import AirbenchNet
 
 TEST_WIDTHS = (16, 32, 32)  # the recipe's airbench uses (64, 256, 256): ~2M parameters
@@ -52,24 +56,25 @@ def _narrow_build_model(name: str, num_classes: int = 10) -> torch.nn.Module:
 
 
 def _install_trainer_hooks() -> None:
-    """Wrap the recipe's ``create_trainer`` to add the NaN, snapshot and signal faults."""
-    real_create_trainer = recipes.cifar.create_trainer
+    """Wrap the run layer's ``create_trainer`` to add the NaN, snapshot and signal faults."""
+    real_create_trainer = recipes.run.create_trainer
     nan_iterations = _iterations("RELIABILITY_NAN_ITERATIONS")
     snapshot_iterations = _iterations("RELIABILITY_SNAPSHOT_ITERATIONS")
     signal_name, _, where = os.environ.get("RELIABILITY_SIGNAL_AT", "").partition(":")
     signal_event, _, signal_count = where.partition(":")
 
-    def create_trainer(model, optimizer, loss_fn, **options):
+    def create_trainer(model, optimizer, loss_fn=None, *, forward=None, **options):
         trainer = None
+        clean_forward = forward or supervised_forward(loss_fn)
 
-        def forward(model, batch):
-            x, y = batch
-            loss = loss_fn(model(x), y)
+        def faulty_forward(model, batch):
+            loss = clean_forward(model, batch)
             if trainer.state.iteration in nan_iterations:
                 loss = loss * float("nan")
             return loss
 
-        trainer = real_create_trainer(model, optimizer, loss_fn, forward=forward, **options)
+        trainer = real_create_trainer(model, optimizer, loss_fn, forward=faulty_forward,
+                                      **options)
 
         @trainer.on(Events.ITERATION_COMPLETED)
         def snapshot(engine):
@@ -85,9 +90,9 @@ def _install_trainer_hooks() -> None:
                 os.kill(os.getpid(), signal.Signals[signal_name])
         return trainer
 
-    recipes.cifar.create_trainer = create_trainer
+    recipes.run.create_trainer = create_trainer
     if signal_event == "validation":
-        real_create_evaluator = recipes.cifar.create_evaluator
+        real_create_evaluator = recipes.run.create_evaluator
         evaluations = {"count": 0}
 
         def create_evaluator(*args, **options):
@@ -100,7 +105,7 @@ def _install_trainer_hooks() -> None:
                     os.kill(os.getpid(), signal.Signals[signal_name])
             return evaluator
 
-        recipes.cifar.create_evaluator = create_evaluator
+        recipes.run.create_evaluator = create_evaluator
 
 
 def _install_disk_error() -> None:

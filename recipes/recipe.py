@@ -1,0 +1,110 @@
+"""What a recipe declares: its task. Everything else a run needs comes from the run layer.
+
+A recipe module ``recipes/<name>.py`` holds one value, ``RECIPE = Recipe(...)``:
+
+- ``config``: a dataclass that extends ``RunConfig`` with the task's own keys (and may
+  change the defaults of run keys, e.g. ``epochs``);
+- ``load_data(config) -> data``: anything; it runs once per process, before the run
+  folder is written, so a ``DataError`` or ``ConfigError`` there leaves nothing on disk;
+- ``build(config, data, ctx) -> Parts``: model, optimizer, loss (or ``forward``),
+  metrics and batches for this process (``ctx`` says which device, rank and world);
+- ``metrics``: every validation metric by name with its direction (``"min"`` or
+  ``"max"``), and ``best``: the one that ranks checkpoints and early stopping;
+- ``sample_counts(data) -> (train, val)``: checked against the batch size and the
+  number of processes before anything is written;
+- ``fingerprint(data) -> {split name: fingerprint}``: cheap facts about each split
+  (counts, hashes; ``recipes.fingerprint``) stored with the run: a resume on different
+  data is refused, naming what changed.
+
+``recipes.run.run(RECIPE, config, given)`` does the rest (``python -m recipes <name>``
+calls it).
+"""
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from ignite.engine import Engine
+from ignite.metrics import Metric
+from torch import nn
+
+from engine import Trainer
+from engine.batch import Forward, PrepareBatch, move_to_device, supervised_predict
+from handlers.goal import check_mode
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where this process trains: its device, its rank among ``world_size`` processes, and
+    the run folder (only rank 0 writes there)."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    run_dir: Path
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The run's length in optimizer steps, known once the batches exist."""
+
+    steps_per_epoch: int
+    epochs: int
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.epochs
+
+
+# attach(trainer, evaluator, plan) -> {name: handler with state_dict/load_state_dict}
+AttachExtra = Callable[[Trainer, Engine, RunPlan], Mapping[str, Any]]
+
+
+@dataclass
+class Parts:
+    """What ``build`` returns for one process.
+
+    ``model`` is the module that is checkpointed (its ``state_dict`` keys are the
+    checkpoint's); ``train_model`` is what the step calls, e.g. a DDP or compiled wrapper
+    around it (default: ``model``). ``train_batches`` must be sized and, for an exact
+    mid-epoch resume, have ``bind(engine)`` (see ``recipes.data_order``).
+    ``attach_extra`` attaches the recipe's own handlers before the standard ones (so a
+    checkpoint sees their work of the same step) and returns those whose state must be
+    checkpointed. ``before_evaluation(final)`` runs before each evaluation; ``final`` is
+    True for the one after the last epoch.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    metrics: Mapping[str, Metric]
+    train_batches: Iterable[Any]
+    val_batches: Iterable[Any]
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    forward: Forward | None = None
+    train_model: nn.Module | None = None
+    predict: Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]] = supervised_predict
+    prepare_batch: PrepareBatch = move_to_device
+    attach_extra: AttachExtra | None = None
+    before_evaluation: Callable[[bool], None] | None = None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    summary: str
+    config: type
+    load_data: Callable[[Any], Any]
+    build: Callable[[Any, Any, Context], Parts]
+    metrics: Mapping[str, str]
+    best: str
+    sample_counts: Callable[[Any], tuple[int, int]]  # data -> (training, validation) samples
+    fingerprint: Callable[[Any], dict[str, dict[str, str | int]]]
+
+    def __post_init__(self) -> None:
+        for name, mode in self.metrics.items():
+            check_mode(mode, f"metrics[{name!r}]")
+        if self.best not in self.metrics:
+            raise ValueError(f"best={self.best!r} must be one of the metrics "
+                             f"{sorted(self.metrics)}")

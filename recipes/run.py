@@ -1,0 +1,324 @@
+"""The run layer: everything a run does besides its task, the same for every recipe.
+
+``run(recipe, config, given)`` checks the config and the data, locks and writes the run
+folder, starts the processes (one here, ``--nproc`` spawned, or joins torchrun's group),
+builds the recipe's parts, attaches the standard handlers, resumes, trains, and writes
+``summary.json`` and the curves. Exit codes: 0 done, 2 user error (nothing written),
+3 non-finite gradients, 4 a checkpoint could not be written, 130/143 after Ctrl-C/SIGTERM.
+"""
+
+import dataclasses
+import json
+import random
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ignite.distributed as idist
+import torch
+from ignite.engine import Engine
+
+from engine import (
+    NonFiniteGradientError,
+    Trainer,
+    create_evaluator,
+    create_trainer,
+    new_run_id,
+    resolve_precision,
+)
+from handlers import CheckpointError, continue_with_new_settings, optimizer_steps_per_epoch
+from recipes.config import ConfigError, resume_overrides
+from recipes.curves import plot_curves
+from recipes.distributed import (
+    launched_by_torchrun,
+    plan_launch,
+    process_device,
+    rank_zero_exit_code,
+    share_machine,
+    spawn,
+)
+from recipes.errors import USER_ERRORS
+from recipes.fingerprint import describe_change
+from recipes.recipe import Context, Parts, Recipe, RunPlan
+from recipes.registry import load_recipe, recipe_ref
+from recipes.run_config import RunConfig
+from recipes.run_folder import read_saved_config, resolve_run_dir, write_json_atomic
+from recipes.run_lock import RunLock
+from recipes.standard_handlers import StandardHandlers, attach_standard_handlers
+from recipes.wiring import wiring_table
+
+
+@dataclass
+class Started:
+    """A checked run: its folder (written), id, the data fingerprint and the data."""
+
+    run_dir: Path
+    run_id: str
+    fingerprint: dict[str, Any]
+    data: Any
+
+
+def run(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
+    """Train here, in ``--nproc`` spawned processes, or as one of the processes of torchrun."""
+    if launched_by_torchrun():
+        with idist.Parallel(backend=_launch(config).backend):  # joins torchrun's group
+            return _join_group(recipe, config, given)
+    with _locked_setup(recipe, config, given) as started:
+        if config.nproc == 1:
+            return train(recipe, config, started)
+        return spawn(train_process, recipe_ref(recipe), dataclasses.asdict(config),
+                     started.run_dir, started.run_id, started.fingerprint,
+                     nproc=config.nproc, backend=_launch(config).backend)
+
+
+def _launch(config: RunConfig):
+    return plan_launch(config.nproc, config.backend, config.device, config.batch_size)
+
+
+@contextmanager
+def _locked_setup(recipe: Recipe, config: RunConfig, given: set[str]) -> Iterator[Started]:
+    """``setup`` under the run folder's lock, held until the run ends (the whole group's)."""
+    lock = RunLock(resolve_run_dir(recipe.name, config.run_name, config.run_dir))
+    try:
+        yield setup(recipe, config, given, lock)
+    finally:
+        lock.release()
+
+
+def _check_run(recipe: Recipe, config: RunConfig, given: set[str]) -> tuple[Path, dict | None]:
+    """The checks that need no data: keys against each other and against the launch."""
+    if "run_name" in given and not config.run_name:
+        raise ConfigError("--run-name: must not be empty; leave it out for a timestamp")
+    run_dir = resolve_run_dir(recipe.name, config.run_name, config.run_dir)
+    saved = read_saved_config(run_dir)
+    if config.resume == "never" and any((run_dir / "checkpoints").glob("*.pt")):
+        raise ConfigError(f"--resume never: {run_dir} already holds checkpoints; use --resume auto "
+                          "to continue it or another --run-name to start anew")
+    return run_dir, (None if config.resume == "never" else saved)
+
+
+def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | None) -> Started:
+    """Check the config and the data, take the run folder's lock, then write the folder and
+    its config.json: a user error (exit 2) leaves nothing on disk."""
+    run_dir, saved = _check_run(recipe, config, given)
+    overrides = resume_overrides(saved["config"], config, given) if saved else []
+    run_id = saved["run_id"] if saved else new_run_id()
+    launch = _launch(config)
+    if launched_by_torchrun() and launch.backend != idist.backend():
+        raise ConfigError(f"--backend: this run resolves to {launch.backend}, but the group "
+                          f"was started with {idist.backend()}; give --device and --backend")
+    try:
+        resolve_precision(config.precision, config.device)
+    except ValueError as error:
+        raise ConfigError(f"--device/--precision: {error}") from None
+    if config.scheduler == "warmup_cosine" and config.warmup() >= config.epochs:
+        raise ConfigError(f"--warmup-epochs: must be < --epochs {config.epochs} for "
+                          f"warmup_cosine, got {config.warmup()}")
+    if lock is not None and run_dir.is_dir():
+        lock.acquire()  # an existing run: refuse a second writer before loading the data
+    data = recipe.load_data(config)  # a DataError here leaves nothing on disk
+    n_train, n_val = recipe.sample_counts(data)
+    if config.batch_size > n_train:
+        raise ConfigError(f"--batch-size {config.batch_size} exceeds the {n_train} training "
+                          "samples")
+    # Every process needs a validation sample: the first evaluation forward of a DDP model
+    # is a collective (it broadcasts rank 0's BatchNorm statistics to all).
+    if n_val < launch.world_size:
+        raise ConfigError(f"{n_val} validation samples cannot be shared by "
+                          f"{launch.world_size} processes")
+    fingerprint = recipe.fingerprint(data)
+    overrides += _data_change(saved, fingerprint, config.allow_data_change)
+    for line in overrides:
+        print(line)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # not writable, or a file in the way
+        raise ConfigError(f"--run-dir/--run-name: cannot create {run_dir}: {error.strerror}"
+                          ) from None
+    if lock is not None and not lock.held:
+        lock.acquire()
+    write_json_atomic(run_dir / "config.json", {"run_id": run_id, "data": fingerprint,
+                                                "config": dataclasses.asdict(config)})
+    return Started(run_dir, run_id, fingerprint, data)
+
+
+def _data_change(saved: dict | None, fingerprint: dict[str, Any], allowed: bool) -> list[str]:
+    """Refuse to resume on other data than the run started with, unless ``allowed``."""
+    if saved is None or "data" not in saved:
+        return []
+    changes = (describe_change(saved["data"].get(split, {}), new, split)
+               for split, new in fingerprint.items())
+    change = "; ".join(line for line in changes if line)
+    if not change:
+        return []
+    if not allowed:
+        raise ConfigError(f"the data changed since this run was saved ({change}); resume with "
+                          "--allow-data-change true to continue on the new data, or start a "
+                          "new run (another --run-name)")
+    return [f"override: data changed ({change}), allowed by --allow-data-change"]
+
+
+def _join_group(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
+    """Rank 0 checks everything, locks and writes the run folder, then tells every rank the
+    run (or the user error, so that all exit 2); each trains."""
+    started, lock = "", None
+    if idist.get_rank() == 0:
+        try:
+            lock = RunLock(resolve_run_dir(recipe.name, config.run_name, config.run_dir))
+            ready = setup(recipe, config, given, lock)
+            started = json.dumps({"run_dir": str(ready.run_dir), "run_id": ready.run_id,
+                                  "data": ready.fingerprint, "config": dataclasses.asdict(config)})
+        except USER_ERRORS as error:
+            started = json.dumps({"error": str(error)})
+    started = json.loads(idist.broadcast(started, src=0))
+    if "error" in started:
+        raise ConfigError(started["error"])
+    try:
+        return train_process(idist.get_local_rank(), recipe_ref(recipe), started["config"],
+                             Path(started["run_dir"]), started["run_id"], started["data"])
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def train_process(local_rank: int, ref: str, config: dict[str, Any], run_dir: Path,
+                  run_id: str, fingerprint: dict[str, Any]) -> int:
+    """One process of a group: it loads the data itself (loading is deterministic, so all
+    hold the same data) and trains on its rank's slice of each batch."""
+    recipe = load_recipe(ref)
+    resolved = recipe.config(**config)
+    share_machine(process_device(resolved.device))
+    data = recipe.load_data(resolved)
+    return rank_zero_exit_code(train(recipe, resolved, Started(run_dir, run_id, fingerprint,
+                                                               data)))
+
+
+def build_run(recipe: Recipe, config: RunConfig, started: Started
+              ) -> tuple[Trainer, Engine, Parts, StandardHandlers]:
+    """Seed, build the recipe's parts for this process, create the engines and attach
+    every handler. Returns (trainer, evaluator, parts, standard handlers)."""
+    rank, world = idist.get_rank(), idist.get_world_size()
+    ctx = Context(process_device(config.device), rank, world, started.run_dir)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)  # its state is in every checkpoint (RngState)
+    parts = recipe.build(config, started.data, ctx)
+    train_model = parts.train_model or parts.model
+    trainer = create_trainer(train_model, parts.optimizer, parts.loss_fn, forward=parts.forward,
+                             device=ctx.device, precision=config.precision,
+                             accum_steps=config.accum_steps, max_grad_norm=config.max_grad_norm,
+                             prepare_batch=parts.prepare_batch)
+    evaluator = create_evaluator(train_model, parts.metrics, device=ctx.device,
+                                 precision=config.precision, predict=parts.predict,
+                                 prepare_batch=parts.prepare_batch)
+    trainer.run_id = started.run_id
+    plan = RunPlan(optimizer_steps_per_epoch(len(parts.train_batches), config.accum_steps),
+                   config.epochs)
+    extra = parts.attach_extra(trainer, evaluator, plan) if parts.attach_extra else {}
+    handlers = attach_standard_handlers(
+        trainer, evaluator, config, modes=recipe.metrics, best=recipe.best, plan=plan,
+        run_dir=started.run_dir, run_id=started.run_id, val_batches=parts.val_batches,
+        rank=rank, model=parts.model, checkpoint_meta={"data": started.fingerprint},
+        extra_state=extra, before_evaluation=parts.before_evaluation)
+    return trainer, evaluator, parts, handlers
+
+
+def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
+    rank, world = idist.get_rank(), idist.get_world_size()
+    trainer, _, parts, handlers = build_run(recipe, config, started)
+    info = handlers.checkpointer.resume(config.resume) if rank == 0 else None
+    if world > 1:  # rank 0 picked the file (and cleared stale temp files); all load that one
+        chosen = idist.broadcast(str(info.path) if info is not None else "never", src=0)
+        info = handlers.checkpointer.resume(chosen) if rank > 0 else info
+    if info is not None and rank == 0:
+        for name, reason in info.rejected:
+            print(f"skipped checkpoint {name}: {reason}", file=sys.stderr)
+        print(f"resumed from {info.path} (epoch {trainer.state.epoch}, "
+              f"iteration {trainer.state.iteration}, step {trainer.state.optimizer_step})")
+    epoch_length = len(parts.train_batches)
+    early_stopping = handlers.early_stopping
+    # A run killed after its final save, or started again once done, has nothing left to
+    # train: Ignite would restart a finished state at iteration 0, on the trained weights.
+    finished = info is not None and (
+        trainer.state.iteration >= config.epochs * epoch_length
+        or bool(early_stopping and early_stopping.stopped_early))
+    if finished and rank == 0:
+        print("the run is already complete: nothing left to train")
+    if info is not None and not finished:
+        _follow_new_lr_and_length(config, info.meta.get("config") or {}, trainer, handlers,
+                                  epoch_length)
+    status, exit_code = "completed", 0
+    batches = parts.train_batches
+    batches = batches.bind(trainer) if hasattr(batches, "bind") else batches
+    try:
+        if not finished:
+            trainer.run(batches, max_epochs=config.epochs)
+    except NonFiniteGradientError as error:  # raised by every rank at the same step
+        status, exit_code = f"stopped: {error}", 3
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr)
+    except CheckpointError as error:  # a save failed (disk full, permission, read-only folder)
+        status, exit_code = f"stopped: {error}", 4  # not a usage error: 2 is for those
+        if rank == 0:  # every rank raises it (RankZeroSave); rank 0 has the cause
+            print(f"error: {error}", file=sys.stderr)
+    finally:
+        handlers.stop.restore()
+    stop = handlers.stop
+    if stop.exit_code is not None and exit_code == 0:  # a failed save outranks the signal
+        status, exit_code = f"interrupted by {stop.received.name}", stop.exit_code
+    if rank == 0:
+        exit_code = _write_summary(recipe, trainer, handlers, started, status) or exit_code
+    return exit_code
+
+
+def _follow_new_lr_and_length(config: RunConfig, saved: dict, trainer: Trainer,
+                              handlers: StandardHandlers, epoch_length: int) -> None:
+    """The resume rule for ``--lr`` and ``--epochs`` (README, "Resuming"): the LR schedule
+    becomes the one a fresh run with the new values would follow, from the step reached."""
+    trainer.state.max_epochs = config.epochs  # else Ignite restarts a run that was done
+    if (saved.get("lr"), saved.get("epochs")) == (config.lr, config.epochs):
+        return
+    if handlers.scheduler is None:
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = config.lr
+        return
+    continue_with_new_settings(handlers.scheduler, handlers.make_scheduler,
+                               old_lr=saved.get("lr", config.lr), new_lr=config.lr,
+                               optimizer_steps=trainer.state.optimizer_step,
+                               epochs_completed=trainer.state.iteration // epoch_length)
+
+
+def _write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
+                   started: Started, status: str) -> int:
+    """Print and write ``summary.json`` and the curves; 4 when the disk refuses them."""
+    history, early_stopping = handlers.history, handlers.early_stopping
+    history.stopped_early = bool(early_stopping and early_stopping.stopped_early)
+    summary = {"status": status, "run_id": started.run_id, **history.summary(trainer)}
+    print(json.dumps(summary, indent=2))
+    try:  # the disk that failed a checkpoint may fail these too: the checkpoints matter
+        write_json_atomic(started.run_dir / "summary.json", summary)
+        plot_curves(history, started.run_dir / "curves.png",
+                    title=f"{recipe.name} {started.run_dir.name}")
+    except OSError as error:
+        print(f"error: could not write the summary or curves in {started.run_dir}: "
+              f"{error.strerror or error}", file=sys.stderr)
+        return 4
+    return 0
+
+
+def describe_run(recipe: Recipe, config: RunConfig) -> str:
+    """The run's wiring: every event of the trainer and evaluator with its handlers, in the
+    order they run. Builds the run in a temporary folder (nothing is written to runs/)."""
+    with tempfile.TemporaryDirectory() as folder:
+        data = recipe.load_data(config)
+        started = Started(Path(folder), "describe", {}, data)
+        trainer, evaluator, _, handlers = build_run(recipe, config, started)
+        handlers.stop.restore()
+        text = wiring_table({"trainer": trainer, "evaluator": evaluator})
+        for handler in handlers.checkpointer.to_save.values():
+            if hasattr(handler, "close") and hasattr(handler, "writer"):
+                handler.close()  # TensorBoard's writer, before its folder goes
+    return text

@@ -1,0 +1,82 @@
+"""The run keys: what every recipe's config holds besides its task's own keys.
+
+A recipe's ``Config`` is a dataclass that extends ``RunConfig``; it may give a run key
+another default by declaring it again (``epochs: int = field(10, ...)``). Every key is a
+command-line flag (``recipes.config``).
+
+``fixed_on_resume`` marks keys that shape the saved tensors or whose value the checkpoint
+carries (optimizer hyperparameters, the schedule's kind and shape, telemetry cadence,
+early stopping): a resume would silently keep the saved value, so a change is refused.
+``lr`` and ``epochs`` may change: the schedule is rebuilt for them.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from handlers import SCHEDULER_NAMES
+from recipes.config import field
+from recipes.distributed import BACKENDS
+from recipes.run_folder import check_run_name
+
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+PROGRESS = ("auto", "bar", "plain", "off")
+
+
+def _check_resume(value: str) -> str | None:
+    if value in ("auto", "never") or Path(value).is_file():
+        return None
+    return f"must be 'auto', 'never' or the path of a checkpoint file; {value!r} is not a file"
+
+
+@dataclass
+class RunConfig:
+    epochs: int = field(10, "epochs to train", min=1)
+    batch_size: int = field(256, "global batch size (samples per micro-batch, all processes)",
+                            min=1, fixed_on_resume=True)
+    lr: float = field(1e-3, "peak learning rate", min=0, min_exclusive=True)
+    scheduler: str = field("warmup_cosine", "LR schedule", choices=SCHEDULER_NAMES,
+                           fixed_on_resume=True)
+    warmup_fraction: float = field(0.23, "linear warmup, as a fraction of the run "
+                                   "(warmup_cosine only)", min=0, max=1,
+                                   fixed_on_resume=True)
+    warmup_epochs: float | None = field(None, "linear warmup in epochs; overrides "
+                                        "--warmup-fraction (none: use the fraction)", min=0,
+                                        fixed_on_resume=True)
+    warmup_start_factor: float = field(0.2, "warmup starts at this fraction of lr", min=0,
+                                       max=1, min_exclusive=True, fixed_on_resume=True)
+    min_lr_ratio: float = field(0.07, "warmup_cosine ends at this fraction of lr", min=0, max=1,
+                                fixed_on_resume=True)
+    precision: str = field("auto", "fp32 | fp16 | bf16 | auto (fp32 on CPU, bf16/fp16 on GPU)",
+                           choices=PRECISIONS, fixed_on_resume=True)
+    accum_steps: int = field(1, "micro-batches per optimizer step", min=1, fixed_on_resume=True)
+    max_grad_norm: float | None = field(None, "clip the global gradient norm (none: no clip)",
+                                        min=0, min_exclusive=True)
+    patience: int | None = field(None, "early stopping: evaluations without improvement "
+                                 "(none: off)", min=1, fixed_on_resume=True)
+    seed: int = field(0, "seed of init, data order and augmentation", min=0, fixed_on_resume=True)
+    device: str = field("auto", "cpu | cuda | cuda:N | auto")
+    nproc: int = field(1, "processes to spawn on this machine (DDP, one per GPU); 1 under "
+                       "torchrun, which starts them itself", min=1)
+    backend: str = field("auto", "process group of several processes: auto (nccl for CUDA, "
+                         "else gloo)", choices=BACKENDS)
+    run_name: str = field("", "run folder runs/<recipe>/<run_name> (default: a timestamp)",
+                          check=check_run_name)
+    run_dir: str = field("", "any run folder (overrides run_name)")
+    resume: str = field("auto", "auto (newest good checkpoint in the run folder) | never | "
+                        "<checkpoint path>", check=_check_resume)
+    allow_data_change: bool = field(False, "resume even though the data differ from the "
+                                    "checkpoint's (logged as an override)")
+    eval_every: int = field(1, "evaluate every N epochs (and after the last)", min=1)
+    log_every: int = field(10, "report training statistics every N optimizer steps", min=1,
+                           fixed_on_resume=True)
+    checkpoint_every: int = field(50, "save 'last' every N optimizer steps (and every epoch)",
+                                  min=1)
+    keep_last: int = field(3, "history checkpoints to keep", min=1)
+    progress: str = field("auto", "progress display", choices=PROGRESS)
+
+    def warmup(self) -> float:
+        """Warmup in epochs: ``warmup_epochs`` when given, else the fraction of ``epochs``
+        (rounded so that 0.23 x 10 is 2.3, not 2.3000000000000003)."""
+        if self.warmup_epochs is not None:
+            return self.warmup_epochs
+        return round(self.warmup_fraction * self.epochs, 9)
