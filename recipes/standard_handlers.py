@@ -46,6 +46,7 @@ class StandardHandlers:
     checkpointer: Checkpointer
     stop: GracefulStop
     make_scheduler: Callable[[], LRSchedulerHandler | None]
+    evaluate: Callable[[Engine], None]  # on the trainer's EPOCH_COMPLETED
 
 
 def make_scheduler_factory(config: RunConfig, trainer: Trainer, plan: RunPlan
@@ -147,4 +148,4 @@ def attach_standard_handlers(
     stop = GracefulStop(save_last)
     stop.attach(trainer)
     return StandardHandlers(telemetry, history, scheduler, early_stopping, checkpointer, stop,
-                            make_scheduler)
+                            make_scheduler, evaluate)
