@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision.transforms import v2
 
+from engine.batch import move_to_device
 from recipes.data_order import check_int, check_rank, epoch_order, mix_seed
 from recipes.errors import DataError
 
@@ -313,6 +314,21 @@ class TrainLoader(OneLineDataErrors):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
+
+
+class NormaliseOnDevice:
+    """``prepare_batch``: (uint8 images, labels) to the device, then ``(x/255 - mean)/std``
+    there; workers send uint8, a quarter of the bytes of float32."""
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        std_column = torch.tensor(std).view(1, -1, 1, 1)
+        self.scale = 1 / (255 * std_column)
+        self.shift = -torch.tensor(mean).view(1, -1, 1, 1) / std_column
+
+    def __call__(self, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
+                 non_blocking: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = move_to_device(batch, device, non_blocking)
+        return torch.addcmul(self.shift.to(device), images.float(), self.scale.to(device)), labels
 
 
 def eval_loader(dataset: ImageFiles, batch_size: int, *, num_workers: int, rank: int = 0,

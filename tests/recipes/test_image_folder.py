@@ -14,6 +14,7 @@ from recipes.errors import DataError
 from recipes.image_folder import (
     EpochBatchSampler,
     ImageFiles,
+    NormaliseOnDevice,
     TrainLoader,
     channel_stats,
     eval_loader,
@@ -213,3 +214,11 @@ def test_evaluation_blocks_cover_every_sample_once_across_ranks(tree):
     labels = [torch.cat([y for _, y in eval_loader(dataset, 4, num_workers=0, rank=rank,
                                                   world_size=2)]) for rank in (0, 1)]
     assert torch.cat(labels).tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_normalise_on_device_scales_uint8_by_the_statistics():
+    images = torch.tensor([0, 51, 255], dtype=torch.uint8).view(1, 3, 1, 1)
+    x, y = NormaliseOnDevice((0.0, 0.2, 0.5), (1.0, 0.5, 0.25))(
+        (images, torch.tensor([1])), torch.device("cpu"))
+    assert torch.allclose(x.flatten(), torch.tensor([0.0, 0.0, 2.0]), atol=1e-6)
+    assert y.tolist() == [1]

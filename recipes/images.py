@@ -1,0 +1,176 @@
+"""Image classification on any image-folder tree, with any torchvision model and DataLoader workers.
+
+``--data-dir`` holds ``train/<class>/<image>`` and ``val/<class>/<image>`` (or ``test/``),
+or only ``train/`` with ``--val-fraction``. Each sample is decoded and augmented in a
+DataLoader worker (pad-and-crop for images of 64 px or less, a random resized crop
+above, then a horizontal flip) and normalised on the device. The network is any
+torchvision classification model by name, untrained, with a CIFAR-style stem for small
+images, trained with SGD-Nesterov and label smoothing. A run killed mid-epoch resumes
+exactly, with any number of workers (``recipes.image_folder``). The run itself (folder,
+resume, handlers, processes) is ``recipes.run``'s.
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import ignite.distributed as idist
+import torch
+import torchvision
+from ignite.metrics import Accuracy, Loss
+from torch import nn
+
+from recipes.config import field
+from recipes.errors import DataError
+from recipes.fingerprint import fingerprint_files
+from recipes.image_folder import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    SMALL_IMAGE_MAX,
+    EpochBatchSampler,
+    ImageFiles,
+    ImageFolders,
+    NormaliseOnDevice,
+    TrainLoader,
+    channel_stats,
+    eval_loader,
+    eval_transform,
+    list_image_folders,
+    report_skipped,
+    shorter_side,
+    train_transform,
+)
+from recipes.models import param_groups
+from recipes.recipe import Context, Parts, Recipe
+from recipes.run_config import RunConfig
+
+SHARED_CIFAR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
+CLASSIFIERS = tuple(torchvision.models.list_models(module=torchvision.models))
+MAX_AUTO_SIZE = 224  # --image-size by default: the first image's shorter side, at most this
+LAYOUT = ("train/<class>/<image> and val/<class>/<image> (or test/), or only train/ with "
+          "--val-fraction")
+
+
+def _check_model(name: str) -> str | None:
+    if name in CLASSIFIERS:
+        return None
+    return f"must be a torchvision classification model, e.g. resnet18 or mobilenet_v3_small; " \
+           f"got {name!r}"
+
+
+@dataclass
+class Config(RunConfig):
+    lr: float = field(0.2, "peak learning rate (SGD)", min=0, min_exclusive=True)
+    data_dir: str = field("auto", f"image-folder tree: {LAYOUT}; auto: the shared CIFAR-10 "
+                          "folders ../shared/data/cifar10")
+    val_fraction: float | None = field(None, "hold out this fraction of each training class "
+                                       "(the same files every time) instead of val/ or test/",
+                                       min=0, max=0.5, min_exclusive=True, fixed_on_resume=True)
+    image_size: int | None = field(None, "side of the square images the model sees (none: the "
+                                   f"first training image's shorter side, at most "
+                                   f"{MAX_AUTO_SIZE}); at most {SMALL_IMAGE_MAX}: pad-and-crop "
+                                   "and a CIFAR-style stem, else random resized crops", min=8,
+                                   fixed_on_resume=True)
+    normalize: str = field("train", "per-channel mean and std: train = measured on up to 256 "
+                           "training images at each start, imagenet = ImageNet's",
+                           choices=("train", "imagenet"), fixed_on_resume=True)
+    model: str = field("resnet18", "any torchvision classification model by name (no "
+                       "pretrained weights)", check=_check_model, fixed_on_resume=True)
+    num_workers: int = field(len(os.sched_getaffinity(0)), "DataLoader worker processes "
+                             "(default: this machine's cores; 0: load in the training "
+                             "process); kept on resume", min=0, fixed_on_resume=True)
+    momentum: float = field(0.9, "SGD momentum", min=0, max=0.999, fixed_on_resume=True)
+    nesterov: bool = field(True, "Nesterov momentum", fixed_on_resume=True)
+    weight_decay: float = field(5e-4, "weight decay (not on biases and norm weights)", min=0,
+                                fixed_on_resume=True)
+    label_smoothing: float = field(0.1, "label smoothing of the training loss", min=0, max=0.99)
+
+
+@dataclass(frozen=True)
+class ImageData:
+    folders: ImageFolders
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+def load_data(config: Config) -> ImageData:
+    """List and check the tree (``DataError`` before anything is written), pick the image
+    size and measure the normalisation statistics."""
+    if config.data_dir != "auto":
+        root = Path(config.data_dir)
+    elif SHARED_CIFAR.is_dir():
+        root = SHARED_CIFAR
+    else:
+        raise DataError(f"--data-dir auto: no shared CIFAR-10 folders at {SHARED_CIFAR}; "
+                        f"give --data-dir, a folder with {LAYOUT}")
+    if not root.is_dir():
+        raise DataError(f"--data-dir {root} is not a folder: expected one with {LAYOUT}")
+    folders = list_image_folders(root, config.val_fraction)
+    if idist.get_rank() == 0:
+        report_skipped(folders.skipped, root)
+    size = config.image_size or min(shorter_side(folders.train[0][0]), MAX_AUTO_SIZE)
+    if config.normalize == "imagenet":
+        return ImageData(folders, size, IMAGENET_MEAN, IMAGENET_STD)
+    return ImageData(folders, size, *channel_stats(folders.train, size))
+
+
+def build_classifier(name: str, num_classes: int, small_images: bool) -> nn.Module:
+    """An untrained torchvision model. For small images, a CIFAR-style stem: the first
+    conv becomes 3x3 with stride 1 and a max-pool right after it (before the next conv)
+    goes, so a 32 px image enters the first stage at full size instead of 8 px."""
+    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    if small_images:
+        convs = 0
+        for path, module in list(model.named_modules()):
+            parent_path, _, attribute = path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            if isinstance(module, nn.Conv2d):
+                convs += 1
+                if convs > 1:
+                    break
+                setattr(parent, attribute, nn.Conv2d(module.in_channels, module.out_channels, 3,
+                                                     padding=1, bias=module.bias is not None))
+            elif isinstance(module, nn.MaxPool2d) and convs == 1:
+                setattr(parent, attribute, nn.Identity())
+                break
+    return model
+
+
+def build(config: Config, data: ImageData, ctx: Context) -> Parts:
+    folders, pin_memory = data.folders, ctx.device.type == "cuda"
+    sampler = EpochBatchSampler(len(folders.train), config.batch_size, seed=config.seed,
+                                rank=ctx.rank, world_size=ctx.world_size)
+    train_batches = TrainLoader(
+        ImageFiles(folders.train, train_transform(data.image_size), seed=config.seed), sampler,
+        num_workers=config.num_workers, pin_memory=pin_memory)
+    val_batches = eval_loader(ImageFiles(folders.val, eval_transform(data.image_size)),
+                              config.batch_size // ctx.world_size, num_workers=config.num_workers,
+                              rank=ctx.rank, world_size=ctx.world_size, pin_memory=pin_memory)
+    net = build_classifier(config.model, len(folders.classes),
+                           small_images=data.image_size <= SMALL_IMAGE_MAX).to(ctx.device)
+    model = idist.auto_model(net) if ctx.world_size > 1 else net  # checkpoints hold `net`
+    optimizer = torch.optim.SGD(param_groups(model, config.weight_decay), lr=config.lr,
+                                momentum=config.momentum, nesterov=config.nesterov)
+    metrics = {"accuracy": Accuracy(device=ctx.device),
+               "loss": Loss(nn.functional.cross_entropy, device=ctx.device)}
+    return Parts(model=net, train_model=model, optimizer=optimizer, metrics=metrics,
+                 train_batches=train_batches, val_batches=val_batches,
+                 loss_fn=nn.CrossEntropyLoss(label_smoothing=config.label_smoothing),
+                 prepare_batch=NormaliseOnDevice(data.mean, data.std),
+                 # The loader's position (sampler and workers) goes into every checkpoint.
+                 attach_extra=lambda trainer, evaluator, plan: {"train_loader": train_batches})
+
+
+def fingerprint(data: ImageData) -> dict:
+    folders = data.folders
+    return {"classes": list(folders.classes), "val_source": folders.val_source,
+            "train": fingerprint_files(folders.train, folders.root, folders.classes),
+            "val": fingerprint_files(folders.val, folders.root, folders.classes)}
+
+
+RECIPE = Recipe(
+    name="images", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
+    build=build, metrics={"accuracy": "max", "loss": "min"}, best="accuracy",
+    sample_counts=lambda data: (len(data.folders.train), len(data.folders.val)),
+    fingerprint=fingerprint)
