@@ -52,7 +52,7 @@ class Trainer(Engine):
         precision: Precision,
         accum_steps: int,
         max_grad_norm: float | None,
-        guard: NonFiniteGuard,
+        guard: NonFiniteGuard | None = None,
     ) -> None:
         super().__init__(process_function)
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
@@ -66,6 +66,8 @@ class Trainer(Engine):
         self.add_event_handler(Events.STARTED, _start_counters)
         if accum_steps > 1:
             self.add_event_handler(Events.STARTED, _require_epoch_length)
+        if guard is None:  # a process function that fires the step events itself
+            return
         # Registered before any other handler, so every handler of these events sees the
         # previous step settled.
         for event in (Events.GET_BATCH_STARTED, Events.EPOCH_COMPLETED, Events.COMPLETED,
@@ -75,7 +77,8 @@ class Trainer(Engine):
     def settle(self) -> None:
         """Read the last step's outcome now (the host waits for the device if it must) and
         fire its event; a no-op when nothing is pending."""
-        self._guard.settle(self)
+        if self._guard is not None:
+            self._guard.settle(self)
 
     def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
         # Ignite's own formats a debug message for every event, logged or not: ~1-2 us

@@ -90,6 +90,7 @@ class GradientTelemetry:
         # The open interval: device scalars, read together at the report.
         self._norms: list[torch.Tensor] = []  # pre-clip norm of each applied step
         self._losses: list[torch.Tensor] = []  # every micro-batch's loss
+        self._loss_iteration = -1  # the iteration whose loss was added last
         self._scale: torch.Tensor | None = None
         self._layer_names: list[str] = []
         self._layer_norms: list[torch.Tensor] = []
@@ -115,6 +116,7 @@ class GradientTelemetry:
 
     def __call__(self, engine: Engine) -> None:
         output = engine.state.output
+        self._add_loss(engine)  # for a step event fired inside its micro-batch
         self._norms.append(output["grad_norm"])
         self._scale = output.get("scale")
         if len(self._norms) == self.log_every:
@@ -175,7 +177,14 @@ class GradientTelemetry:
         self._health_printed = False
 
     def _on_micro_batch(self, engine: Engine) -> None:
-        self._losses.append(engine.state.output["loss"])
+        self._add_loss(engine)
+
+    def _add_loss(self, engine: Engine) -> None:
+        # The trainer fires a step's event after its micro-batch's ITERATION_COMPLETED; a
+        # process function that fires it from inside comes first. Each loss counts once.
+        if engine.state.iteration != self._loss_iteration:
+            self._losses.append(engine.state.output["loss"])
+            self._loss_iteration = engine.state.iteration
 
     def _measure_layers(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if (self._trainer.state.optimizer_step + 1) % self.layer_every:
