@@ -33,13 +33,15 @@ class Config(RunConfig):
     epochs: int = field(4, "epochs to train (each reads the training text once)", min=1)
     batch_size: int = field(16, "global batch size (windows per micro-batch)", min=1,
                             fixed_on_resume=True)
+    lr: float = field(2e-3, "peak learning rate", min=0, min_exclusive=True)
     max_grad_norm: float | None = field(1.0, "clip the global gradient norm (none: no clip)",
                                         min=0, min_exclusive=True)
     text: str = field(STDLIB, "a file or a folder of files; stdlib: the standard library's "
                       ".py files (no tests, no site-packages)")
-    val_fraction: float = field(0.1, "files held out for validation", min=0, max=0.5)
-    max_train_bytes: int = field(300_000, "training text cap (bytes)", min=1)
-    max_val_bytes: int = field(60_000, "validation text cap (bytes)", min=1)
+    val_fraction: float = field(0.1, "files held out for validation", min=0, max=0.5,
+                                min_exclusive=True)
+    max_train_bytes: int = field(250_000, "training text cap (bytes)", min=1)
+    max_val_bytes: int = field(50_000, "validation text cap (bytes)", min=1)
     block_size: int = field(128, "context length in bytes", min=1, fixed_on_resume=True)
     n_layer: int = field(4, "transformer blocks", min=1, fixed_on_resume=True)
     n_head: int = field(4, "attention heads", min=1, fixed_on_resume=True)

@@ -1,0 +1,209 @@
+"""The charlm recipe: its text split, its loss and perplexity, and tiny runs end to end.
+
+Runs go through ``python -m recipes charlm`` in a subprocess (cwd = a temporary folder, so
+``runs/`` lands there) on a few small text files the test writes, with a one-block model.
+"""
+
+import json
+import logging
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine import create_evaluator
+from recipes.__main__ import main
+from recipes.charlm import Config, build, load_data, next_byte_logits
+from recipes.gpt import GPT, param_groups
+from recipes.recipe import Context
+from recipes.text_files import read_text, split_files
+
+CLI_TIMEOUT_SEC = 300  # a hung run fails its test instead of hanging the suite
+TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+              "--batch-size", "8"]
+TINY_RUN = [*TINY_MODEL, "--epochs", "2", "--progress", "off", "--device", "cpu"]
+
+
+@pytest.fixture(autouse=True)
+def keep_ignite_log_level():
+    """``main`` quiets Ignite's engine logger for the process; other test files log with it."""
+    engine_logger = logging.getLogger("ignite.engine.engine")
+    level = engine_logger.level
+    yield
+    engine_logger.setLevel(level)
+
+
+def write_text_folder(root: Path, n_files: int = 20, lines_per_file: int = 6) -> Path:
+    """``n_files`` small Python-like files, some in a subfolder."""
+    for index in range(n_files):
+        path = root / ("sub" if index % 3 else "") / f"module_{index}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(f"def f{index}_{line}(x):\n    return x + {line}\n"
+                                for line in range(lines_per_file)))
+    return root
+
+
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recipes", "charlm", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT_SEC)
+
+
+# --- data --------------------------------------------------------------------------------
+
+
+def test_split_by_file_is_deterministic_disjoint_and_independent_of_where_the_text_lies():
+    names = [f"pkg{index % 7}/module_{index}.py" for index in range(200)]
+    train, val = split_files(Path("/a"), [Path("/a", name) for name in names], 0.1)
+    again = split_files(Path("/a"), [Path("/a", name) for name in reversed(names)], 0.1)
+    elsewhere = split_files(Path("/b/c"), [Path("/b/c", name) for name in names], 0.1)
+    assert (train, val) == again
+    assert [p.relative_to("/a") for p in train] == [p.relative_to("/b/c") for p in elsewhere[0]]
+    assert not set(train) & set(val) and len(train) + len(val) == len(names)
+    assert 5 <= len(val) <= 40  # about a tenth
+    assert train == sorted(train) and val == sorted(val)
+
+
+def test_split_of_two_files_keeps_one_for_each_part():
+    train, val = split_files(Path("/a"), [Path("/a/x.txt"), Path("/a/y.txt")], 0.1)
+    assert len(train) == len(val) == 1
+
+
+def test_a_single_file_keeps_its_last_tenth_for_validation(tmp_path):
+    text = tmp_path / "input.txt"
+    text.write_bytes(bytes(range(256)) * 4)
+    train, val, n_files = read_text(str(text), 0.1)
+    assert (train + val, len(val), n_files) == (text.read_bytes(), 102, 1)
+
+
+def test_load_data_counts_windows_and_fingerprints_the_bytes(tmp_path):
+    folder = write_text_folder(tmp_path / "text")
+    config = Config(text=str(folder), block_size=16, batch_size=8)
+    corpus = load_data(config)
+    train_bytes, val_bytes = len(corpus.train), len(corpus.val)
+    assert corpus.windows == ((train_bytes - 1) // 16 - 1, (val_bytes - 1) // 16)
+    assert corpus.facts["files"] == 20 and corpus.facts["train_bytes"] == train_bytes
+    assert load_data(config).facts == corpus.facts
+    (folder / "module_0.py").write_text("changed")
+    assert load_data(config).facts["sha256"] != corpus.facts["sha256"]
+
+
+def test_training_windows_are_shifted_resumably_and_stay_inside_the_text(tmp_path):
+    config = Config(text=str(write_text_folder(tmp_path / "text")), block_size=16,
+                    batch_size=8)
+    corpus = load_data(config)
+    parts = build(config, corpus, Context(torch.device("cpu"), 0, 1, tmp_path))
+    first, again = list(parts.train_batches), list(parts.train_batches.epoch_batches(1))
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert first[0].shape == (8, 17) and first[0].dtype == torch.uint8
+    assert first[0][0].numpy().tobytes() in corpus.train.numpy().tobytes()  # a real window
+    assert len(parts.train_batches) == corpus.windows[0] // 8
+
+
+# --- model, loss, perplexity -------------------------------------------------------------
+
+
+class UniformLogits(nn.Module):
+    """Equal logits for every byte: the loss is ln 256 and the perplexity 256."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Parameter(torch.zeros(1))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*idx.shape, 256)
+
+
+def test_uniform_logits_give_perplexity_256(tmp_path):
+    config = Config(text=str(write_text_folder(tmp_path / "text")), block_size=16, batch_size=8)
+    parts = build(config, load_data(config), Context(torch.device("cpu"), 0, 1, tmp_path))
+    batch = parts.prepare_batch(next(iter(parts.val_batches)), torch.device("cpu"), False)
+    assert parts.forward(UniformLogits(), batch).item() == pytest.approx(math.log(256))
+    evaluator = create_evaluator(UniformLogits(), parts.metrics, predict=parts.predict,
+                                 prepare_batch=parts.prepare_batch)
+    metrics = evaluator.run(parts.val_batches).metrics
+    assert metrics["loss"] == pytest.approx(math.log(256))
+    assert metrics["perplexity"] == pytest.approx(256)
+
+
+def test_predict_flattens_every_next_byte_target():
+    batch = torch.arange(2 * 5).reshape(2, 5)
+    logits, targets = next_byte_logits(GPT(256, 4, 1, 1, 8), batch)
+    assert logits.shape == (8, 256) and logits.dtype == torch.float32
+    assert targets.tolist() == [1, 2, 3, 4, 6, 7, 8, 9]
+
+
+def test_the_model_is_causal():
+    model = GPT(256, 8, 2, 2, 16).eval()
+    idx = torch.randint(0, 256, (1, 8))
+    changed = idx.clone()
+    changed[0, 5] = (idx[0, 5] + 1) % 256
+    assert torch.equal(model(idx)[0, :5], model(changed)[0, :5])
+    assert not torch.equal(model(idx)[0, 5:], model(changed)[0, 5:])
+
+
+def test_no_weight_decay_on_biases_norms_and_embeddings():
+    model = GPT(256, 8, 2, 2, 16)
+    decayed, plain = param_groups(model, 0.1)
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(names[id(p)].endswith("weight") and "ln" not in names[id(p)]
+               for p in decayed["params"])
+    assert {names[id(p)] for p in plain["params"]} >= {"wte.weight", "wpe.weight",
+                                                        "ln_f.weight", "h.0.ln_1.bias"}
+    assert model.lm_head.weight is model.wte.weight  # tied: counted once, not decayed
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+# --- the command line --------------------------------------------------------------------
+
+
+def test_tiny_run_end_to_end_then_a_resume_finds_it_complete(tmp_path):
+    write_text_folder(tmp_path / "text")
+    args = ["--text", "text", *TINY_RUN, "--run-name", "tiny"]
+    result = run_cli(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "runs" / "charlm" / "tiny"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["epochs_completed"] == 2
+    assert math.exp(summary["best_val_loss"]) == pytest.approx(summary["best_val_perplexity"])
+    assert summary["best_val_perplexity"] < 256  # it learned something in 2 epochs
+    assert "sample:\ndef " in result.stdout
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    again = run_cli(args, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "the run is already complete" in again.stdout
+
+
+def test_missing_text_exits_2_with_one_line_and_writes_nothing(tmp_path):
+    result = run_cli(["--text", "nowhere", *TINY_RUN], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == "error: --text nowhere: no such file or folder\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (lambda root: root.mkdir(), "the folder holds no files"),
+    (lambda root: write_text_folder(root, n_files=3, lines_per_file=1), "too little text"),
+    (lambda root: (root.mkdir(), (root / "empty.txt").touch()), "too little text"),
+])
+def test_unusable_text_is_a_user_error(tmp_path, monkeypatch, capsys, make, expected):
+    monkeypatch.chdir(tmp_path)
+    make(tmp_path / "text")
+    before = sorted(tmp_path.rglob("*"))
+    assert main(["charlm", "--text", "text", *TINY_RUN]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: --text text: ") and expected in error
+    assert error.count("\n") == 1
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_n_embd_must_split_into_heads(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    write_text_folder(tmp_path / "text")
+    assert main(["charlm", "--text", "text", "--n-embd", "16", "--n-head", "3"]) == 2
+    assert "--n-embd 16 must be divisible by --n-head 3" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
