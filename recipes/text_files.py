@@ -36,20 +36,22 @@ def list_files(text: str) -> tuple[Path, list[Path]]:
 
 def split_files(root: Path, files: list[Path], val_fraction: float
                 ) -> tuple[list[Path], list[Path]]:
-    """(train, val), sorted and neither empty (given two files or more): validation holds
-    the files whose path relative to ``root`` hashes below ``val_fraction``."""
+    """(train, val), neither empty (given two files or more): validation holds the files
+    whose path relative to ``root`` hashes below ``val_fraction``. Both are in hash order,
+    so that the first bytes of each (a capped text) come from across the folder rather
+    than from its first files by name."""
     def unit_hash(path: Path) -> float:  # sha256, not hash(): the same in every process
         digest = hashlib.sha256(path.relative_to(root).as_posix().encode()).digest()
         return int.from_bytes(digest[:8], "big") / 2**64
 
     by_hash = sorted(files, key=unit_hash)
     n_val = min(max(1, sum(unit_hash(path) < val_fraction for path in files)), len(files) - 1)
-    return sorted(by_hash[n_val:]), sorted(by_hash[:n_val])
+    return by_hash[n_val:], by_hash[:n_val]
 
 
 def read_text(text: str, val_fraction: float) -> tuple[bytes, bytes, int]:
     """(training bytes, validation bytes, file count) of ``text``, each part's files
-    concatenated in sorted order. A single file keeps its last ``val_fraction`` for
+    concatenated in the order of ``split_files``. A single file keeps its last ``val_fraction`` for
     validation, as nanoGPT splits one text. ``DataError`` names a missing or unreadable
     path."""
     root, files = list_files(text)
