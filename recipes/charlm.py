@@ -40,7 +40,7 @@ class Config(RunConfig):
                       ".py files (no tests, no site-packages)")
     val_fraction: float = field(0.1, "files held out for validation", min=0, max=0.5,
                                 min_exclusive=True)
-    max_train_bytes: int = field(500_000, "training text cap (bytes)", min=1)
+    max_train_bytes: int = field(250_000, "training text cap (bytes)", min=1)
     max_val_bytes: int = field(50_000, "validation text cap (bytes)", min=1)
     block_size: int = field(128, "context length in bytes", min=1, fixed_on_resume=True)
     n_layer: int = field(4, "transformer blocks", min=1, fixed_on_resume=True)
