@@ -54,13 +54,13 @@ LAYOUT = ("train/<class>/<image> and val/<class>/<image> (or test/), or only tra
 def _check_model(name: str) -> str | None:
     if name in CLASSIFIERS:
         return None
-    return f"must be a torchvision classification model, e.g. resnet18 or mobilenet_v3_small; " \
-           f"got {name!r}"
+    return f"must be a torchvision classification model (e.g. resnet18), got {name!r}"
 
 
 @dataclass
 class Config(RunConfig):
-    lr: float = field(0.2, "peak learning rate (SGD)", min=0, min_exclusive=True)
+    lr: float = field(0.1, "peak learning rate (SGD; 0.1 per 256 samples is the usual start)",
+                      min=0, min_exclusive=True)
     data_dir: str = field("auto", f"image-folder tree: {LAYOUT}; auto: the shared CIFAR-10 "
                           "folders ../shared/data/cifar10")
     val_fraction: float | None = field(None, "hold out this fraction of each training class "
@@ -88,6 +88,8 @@ class Config(RunConfig):
 
 @dataclass(frozen=True)
 class ImageData:
+    """The listed tree, the side its images are brought to and their normalisation."""
+
     folders: ImageFolders
     image_size: int
     mean: tuple[float, ...]
