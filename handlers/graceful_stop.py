@@ -78,6 +78,7 @@ class GracefulStop:
     def _stop(self, trainer: Trainer) -> None:
         if trainer.should_terminate or not self._requested():
             return
+        trainer.settle()  # the window's step, its counters and schedule, before the save
         self.save(trainer)
         trainer.terminate()
 

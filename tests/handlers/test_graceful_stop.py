@@ -28,11 +28,17 @@ def _trainer(make_mlp, accum_steps: int = 3):
 
 
 def _run_with_signal(trainer, batches, signum, at_iteration, event=Events.ITERATION_STARTED):
-    """Attach a GracefulStop whose save records the iteration, send ``signum`` to this
+    """Attach a GracefulStop whose save records the iteration (and checks that the window's
+    step was settled before it: the checkpoint must hold its counters), send ``signum`` to this
     process from a handler at ``event`` of ``at_iteration`` (by default as that step starts,
     like a signal arriving mid-step), run two epochs; return (stop, saved iterations)."""
     saved = []
-    stop = GracefulStop(lambda engine: saved.append(engine.state.iteration))
+
+    def save(engine) -> None:
+        assert engine.state.optimizer_step == -(-engine.state.iteration // engine.accum_steps)
+        saved.append(engine.state.iteration)
+
+    stop = GracefulStop(save)
     stop.attach(trainer)
     trainer.add_event_handler(event(once=at_iteration), lambda: os.kill(os.getpid(), signum))
     try:
@@ -76,7 +82,12 @@ def test_a_signal_after_the_last_iteration_check_stops_at_the_epoch_end(make_mlp
 def test_without_a_signal_nothing_is_saved_and_the_run_completes(make_mlp, make_batches):
     trainer = _trainer(make_mlp)
     saved = []
-    stop = GracefulStop(lambda engine: saved.append(engine.state.iteration))
+
+    def save(engine) -> None:
+        assert engine.state.optimizer_step == -(-engine.state.iteration // engine.accum_steps)
+        saved.append(engine.state.iteration)
+
+    stop = GracefulStop(save)
     stop.attach(trainer)
     trainer.run(make_batches(BATCHES_PER_EPOCH), max_epochs=2)
     stop.restore()
@@ -109,7 +120,12 @@ def test_a_second_signal_hands_it_to_the_previous_handler_at_once(make_mlp, make
     signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     trainer = _trainer(make_mlp)
     saved = []
-    stop = GracefulStop(lambda engine: saved.append(engine.state.iteration))
+
+    def save(engine) -> None:
+        assert engine.state.optimizer_step == -(-engine.state.iteration // engine.accum_steps)
+        saved.append(engine.state.iteration)
+
+    stop = GracefulStop(save)
     stop.attach(trainer)
 
     @trainer.on(Events.ITERATION_STARTED(once=4))

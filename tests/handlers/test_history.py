@@ -145,7 +145,8 @@ def test_a_resumed_run_has_the_same_summary_as_an_uninterrupted_one():
     assert resumed.train_samples == full.train_samples
     summary, expected = resumed.summary(trainer), full.summary(full_trainer)
     assert summary["wall_time_sec"] >= history_state["wall_time_sec"]
-    assert summary["train_time_sec"] > history_state["train_time_sec"]
+    # Unrounded: the summary's 3 decimals can hide a fast resumed half.
+    assert resumed.train_time_sec > history_state["train_time_sec"]
     for key in ("wall_time_sec", "train_time_sec", "samples_per_sec"):
         summary.pop(key), expected.pop(key)
     assert summary == expected

@@ -79,6 +79,7 @@ def _install_trainer_hooks() -> None:
         @trainer.on(Events.ITERATION_COMPLETED)
         def snapshot(engine):
             if engine.state.iteration in snapshot_iterations:
+                engine.settle()  # the step of this iteration, with its LR schedule
                 folder = Path(os.environ["RELIABILITY_SNAPSHOT_DIR"])
                 folder.mkdir(parents=True, exist_ok=True)
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
