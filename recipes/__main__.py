@@ -2,7 +2,8 @@
 
 ``<name>`` is any ``recipes/<name>.py`` that declares ``RECIPE = Recipe(...)``, or the
 path of such a file. ``--help`` lists the keys; ``--describe`` prints the run's wiring
-(every event and its handlers) without training or writing anything.
+(every event and its handlers) without training or writing anything; ``--lr-find`` runs
+an LR range test on the run's data and step and suggests a peak ``--lr``.
 
 User mistakes (a bad key or value, missing data, no usable checkpoint) end with
 one ``error:`` line and exit code 2, before anything is written to disk.
@@ -16,19 +17,20 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from recipes.config import help_text, parse_args
+from recipes.config import ConfigError, help_text, parse_args
 from recipes.errors import USER_ERRORS
 from recipes.registry import find_recipes, load_recipe
-from recipes.run import describe_run, run
+from recipes.run import describe_run, find_lr_run, run
 
 
 def _usage() -> str:
-    lines = ["usage: python -m recipes <recipe> [--key value ...] [--help | --describe]", "",
-             "recipes:"]
+    lines = ["usage: python -m recipes <recipe> [--key value ...] "
+             "[--help | --describe | --lr-find]", "", "recipes:"]
     lines += [f"  {name:<10} {summary}" for name, summary in find_recipes().items()]
     lines += ["", "<recipe> may also be the path of a recipe file (my_task.py).",
               "`python -m recipes <recipe> --help` lists every key with its default;",
-              "`python -m recipes <recipe> --describe` prints the run's events and handlers."]
+              "`python -m recipes <recipe> --describe` prints the run's events and handlers;",
+              "`python -m recipes <recipe> --lr-find` suggests a peak --lr (LR range test)."]
     return "\n".join(lines)
 
 
@@ -45,11 +47,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "-h" in rest or "--help" in rest:
             print(help_text(recipe.config, f"python -m recipes {name}", recipe.summary))
             return 0
-        describe = "--describe" in rest
-        config, given = parse_args(recipe.config, [arg for arg in rest if arg != "--describe"])
-        if describe:
+        commands = {"--describe", "--lr-find"} & set(rest)
+        if len(commands) > 1:
+            raise ConfigError("--describe and --lr-find: give one of them")
+        config, given = parse_args(recipe.config, [arg for arg in rest if arg not in commands])
+        if "--describe" in commands:
             print(describe_run(recipe, config))
             return 0
+        if "--lr-find" in commands:
+            return find_lr_run(recipe, config)
         return run(recipe, config, given)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)

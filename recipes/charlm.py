@@ -127,4 +127,4 @@ def build(config: Config, corpus: Corpus, ctx: Context) -> Parts:
 RECIPE = Recipe(
     name="charlm", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
     build=build, metrics={"loss": "min", "perplexity": "min"}, best="loss",
-    sample_counts=lambda corpus: corpus.windows, fingerprint=lambda corpus: corpus.facts)
+    sample_counts=lambda corpus: corpus.windows, fingerprint=lambda corpus: {"text": corpus.facts})

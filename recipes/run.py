@@ -9,6 +9,7 @@ builds the recipe's parts, attaches the standard handlers, resumes, trains, and 
 
 import dataclasses
 import json
+import math
 import random
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from engine import (
     resolve_precision,
 )
 from handlers import CheckpointError, continue_with_new_settings, optimizer_steps_per_epoch
+from handlers.lr_finder import find_lr, plot_lr_find
 from recipes.config import ConfigError, resume_overrides
 from recipes.curves import plot_curves
 from recipes.distributed import (
@@ -48,8 +50,14 @@ from recipes.registry import load_recipe, recipe_ref
 from recipes.run_config import RunConfig
 from recipes.run_folder import read_saved_config, resolve_run_dir, write_json_atomic
 from recipes.run_lock import RunLock
-from recipes.standard_handlers import StandardHandlers, attach_standard_handlers
+from recipes.standard_handlers import (
+    StandardHandlers,
+    attach_standard_handlers,
+    attach_weight_averaging,
+)
 from recipes.wiring import wiring_table
+
+LR_FIND_STEPS = 200  # optimizer steps of the LR range test
 
 
 @dataclass
@@ -197,31 +205,45 @@ def train_process(local_rank: int, ref: str, config: dict[str, Any], run_dir: Pa
                                                                data)))
 
 
-def build_run(recipe: Recipe, config: RunConfig, started: Started
-              ) -> tuple[Trainer, Engine, Parts, StandardHandlers]:
-    """Seed, build the recipe's parts for this process, create the engines and attach
-    every handler. Returns (trainer, evaluator, parts, standard handlers)."""
-    rank, world = idist.get_rank(), idist.get_world_size()
-    ctx = Context(process_device(config.device), rank, world, started.run_dir)
+def build_parts(recipe: Recipe, config: RunConfig, data: Any, run_dir: Path
+                ) -> tuple[Context, Parts, Trainer]:
+    """Seed, build the recipe's parts for this process and its trainer (no handlers)."""
+    ctx = Context(process_device(config.device), idist.get_rank(), idist.get_world_size(),
+                  run_dir)
     torch.manual_seed(config.seed)
     random.seed(config.seed)  # its state is in every checkpoint (RngState)
-    parts = recipe.build(config, started.data, ctx)
+    parts = recipe.build(config, data, ctx)
+    trainer = create_trainer(parts.train_model or parts.model, parts.optimizer, parts.loss_fn,
+                             forward=parts.forward, device=ctx.device,
+                             precision=config.precision, accum_steps=config.accum_steps,
+                             max_grad_norm=config.max_grad_norm,
+                             prepare_batch=parts.prepare_batch, compile=config.compile)
+    return ctx, parts, trainer
+
+
+def build_run(recipe: Recipe, config: RunConfig, started: Started
+              ) -> tuple[Trainer, Engine, Parts, StandardHandlers]:
+    """Build the parts and the engines and attach every handler. Returns (trainer,
+    evaluator, parts, standard handlers)."""
+    ctx, parts, trainer = build_parts(recipe, config, started.data, started.run_dir)
     train_model = parts.train_model or parts.model
-    trainer = create_trainer(train_model, parts.optimizer, parts.loss_fn, forward=parts.forward,
-                             device=ctx.device, precision=config.precision,
-                             accum_steps=config.accum_steps, max_grad_norm=config.max_grad_norm,
-                             prepare_batch=parts.prepare_batch)
     evaluator = create_evaluator(train_model, parts.metrics, device=ctx.device,
                                  precision=config.precision, predict=parts.predict,
                                  prepare_batch=parts.prepare_batch)
     trainer.run_id = started.run_id
     plan = RunPlan(optimizer_steps_per_epoch(len(parts.train_batches), config.accum_steps),
                    config.epochs)
-    extra = parts.attach_extra(trainer, evaluator, plan) if parts.attach_extra else {}
+    extra = dict(parts.attach_extra(trainer, evaluator, plan) if parts.attach_extra else {})
+    if config.averaging != "none":
+        replay = getattr(parts.train_batches, "epoch_batches", None)
+        extra["averaging"] = attach_weight_averaging(
+            config, parts.model, trainer, evaluator,
+            bn_batches=(lambda: replay(1)) if replay else None,
+            bn_input=lambda batch: parts.prepare_batch(batch, ctx.device, True)[0])
     handlers = attach_standard_handlers(
         trainer, evaluator, config, modes=recipe.metrics, best=recipe.best, plan=plan,
         run_dir=started.run_dir, run_id=started.run_id, val_batches=parts.val_batches,
-        rank=rank, model=parts.model, checkpoint_meta={"data": started.fingerprint},
+        rank=ctx.rank, model=parts.model, checkpoint_meta={"data": started.fingerprint},
         extra_state=extra, before_evaluation=parts.before_evaluation)
     return trainer, evaluator, parts, handlers
 
@@ -306,6 +328,26 @@ def _write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
         print(f"error: could not write the summary or curves in {started.run_dir}: "
               f"{error.strerror or error}", file=sys.stderr)
         return 4
+    return 0
+
+
+def find_lr_run(recipe: Recipe, config: RunConfig) -> int:
+    """``--lr-find``: an LR range test on the run's data and step (accumulation, precision and
+    clipping as configured); prints the suggested peak LR and writes ``lr_find.png`` in the
+    run folder. Trains nothing and leaves no checkpoint or config.json."""
+    run_dir = resolve_run_dir(recipe.name, config.run_name, config.run_dir)
+    data = recipe.load_data(config)  # a DataError here leaves nothing on disk
+    with RunLock(run_dir):
+        _, parts, trainer = build_parts(recipe, config, data, run_dir)
+        batches = parts.train_batches
+        epochs = math.ceil(LR_FIND_STEPS * config.accum_steps / len(batches))
+        # Whole epochs, one after another: each iteration starts the next epoch's order.
+        result = find_lr(trainer, (batch for _ in range(epochs) for batch in batches),
+                         num_steps=LR_FIND_STEPS)
+        print(result.summary())
+        if result.suggestion is not None:
+            print(f"suggested peak lr: {result.suggestion:.3g} (--lr {result.suggestion:.3g})")
+        print(f"wrote {plot_lr_find(result, run_dir / 'lr_find.png')}")
     return 0
 
 

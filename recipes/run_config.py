@@ -20,6 +20,7 @@ from recipes.run_folder import check_run_name
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 PROGRESS = ("auto", "bar", "plain", "off")
+AVERAGING = ("none", "ema", "swa")
 
 
 def _check_resume(value: str) -> str | None:
@@ -49,8 +50,18 @@ class RunConfig:
     precision: str = field("auto", "fp32 | fp16 | bf16 | auto (fp32 on CPU, bf16/fp16 on GPU)",
                            choices=PRECISIONS, fixed_on_resume=True)
     accum_steps: int = field(1, "micro-batches per optimizer step", min=1, fixed_on_resume=True)
+    compile: bool = field(False, "torch.compile the model's forward (a one-time compile of "
+                          "about a minute on a CPU; checkpoints are the same either way)")
     max_grad_norm: float | None = field(None, "clip the global gradient norm (none: no clip)",
                                         min=0, min_exclusive=True)
+    averaging: str = field("none", "weight averaging: an EMA of the weights (after every step) "
+                           "or SWA (an equal average of epoch ends, from --swa-start of the "
+                           "run on); evaluations and the best checkpoint use the average",
+                           choices=AVERAGING, fixed_on_resume=True)
+    ema_decay: float = field(0.999, "EMA decay (with a warm-up: min(decay, (1+n)/(10+n)) at "
+                             "update n)", min=0, max=0.9999, fixed_on_resume=True)
+    swa_start: float = field(0.75, "SWA averages the epoch ends from this fraction of the "
+                             "run on", min=0, max=1, fixed_on_resume=True)
     patience: int | None = field(None, "early stopping: evaluations without improvement "
                                  "(none: off)", min=1, fixed_on_resume=True)
     seed: int = field(0, "seed of init, data order and augmentation", min=0, fixed_on_resume=True)

@@ -10,7 +10,9 @@ ours adds the run's resume-safe state (``to_save``) and rank-0-only writes.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -30,6 +32,8 @@ from handlers import (
 )
 from handlers.graceful_stop import GracefulStop
 from handlers.history import RunHistory
+from handlers.weight_averaging import WeightAveraging
+from recipes.config import ConfigError
 from recipes.distributed import RankZeroSave
 from recipes.recipe import RunPlan
 from recipes.run_config import RunConfig
@@ -64,6 +68,33 @@ def make_scheduler_factory(config: RunConfig, trainer: Trainer, plan: RunPlan
                                steps_per_epoch=plan.steps_per_epoch, epochs=config.epochs,
                                **options)
     return make
+
+
+def attach_weight_averaging(config: RunConfig, model: nn.Module, trainer: Trainer,
+                            evaluator: Engine, bn_batches: Callable[[], Iterable[Any]] | None,
+                            bn_input: Callable[[Any], Any]) -> WeightAveraging:
+    """``--averaging ema|swa``: the average is updated on its clock, swapped into the model
+    for every evaluation (so early stopping, the best checkpoint and TensorBoard rank the
+    averaged weights) and swapped out before the evaluator's other handlers run, so a
+    checkpoint's ``model`` stays the trained weights and ``averaging`` holds the average.
+    Attach it before the standard handlers."""
+    if config.averaging == "ema":
+        averaging = WeightAveraging(model, "ema", decay=config.ema_decay)
+    else:
+        has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        if has_bn and bn_batches is None:
+            raise ConfigError("--averaging swa: this model has BatchNorm, whose statistics "
+                              "must be recomputed for the average, but the recipe's training "
+                              "batches cannot be replayed (no epoch_batches); use ema")
+        averaging = WeightAveraging(
+            model, "swa", start_epoch=max(1, math.ceil(config.swa_start * config.epochs)),
+            **({"bn_batches": bn_batches, "bn_input": bn_input} if has_bn else {}))
+    averaging.attach(trainer)
+    swap = ExitStack()
+    evaluator.add_event_handler(Events.STARTED,
+                                lambda: swap.enter_context(averaging.swapped_in()))
+    evaluator.add_event_handler(Events.COMPLETED, swap.close)  # after the metrics' own
+    return averaging
 
 
 def attach_standard_handlers(

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny model and a few batches, small enough for bf16 on a 2-core CPU."""
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -41,3 +42,10 @@ def make_mlp() -> Callable[..., nn.Sequential]:
 @pytest.fixture
 def make_batches() -> Callable[..., Batches]:
     return random_batches
+
+
+@pytest.fixture(scope="session", autouse=True)
+def decoded_image_cache(tmp_path_factory):
+    """Decoded-image caches go to a temporary folder, not the user's ~/.cache (child
+    processes inherit the variable)."""
+    os.environ["IGNITE_ENGINE_CACHE"] = str(tmp_path_factory.mktemp("decoded-cache"))

@@ -1,14 +1,18 @@
 """Shared machinery of the reliability suite: start the recipe's command line in a child
 process, fault it, and compare what it leaves behind with an uninterrupted run.
 
-Every run trains the same tiny CIFAR job (``BASE_ARGS``: synthetic data, 8 iterations per
-epoch, 3 epochs, a step-clocked OneCycle schedule, a checkpoint every 3 optimizer steps)
-through ``run_recipe.py``, which is ``python -m recipes`` plus test-only faults. The child
+Every guarantee is checked for every recipe: the session fixture ``recipe_case`` runs the
+whole suite once per recipe in ``RECIPE_CASES``, each as a tiny job of the same shape
+(``RUN_ARGS``: 8 iterations per epoch, 3 epochs, a step-clocked OneCycle schedule, a
+checkpoint every 3 optimizer steps) on data the test makes (CIFAR: synthetic images;
+charlm: one generated text file), through ``run_recipe.py``, which is
+``python -m recipes`` plus test-only faults. The child
 runs with one intra-op thread: on this 2-core shared machine a second thread only
 spin-waits (a run took 35 s with two threads, 10 s with one), and the uninterrupted
 reference and the resumed runs must use the same thread count to be bit-identical.
 """
 
+import functools
 import hashlib
 import math
 import os
@@ -33,12 +37,54 @@ RUN_RECIPE = Path(__file__).with_name("run_recipe.py")
 ITERATIONS_PER_EPOCH, EPOCHS = 8, 3  # 256 samples / batch 32; every iteration is a step
 TOTAL_ITERATIONS = ITERATIONS_PER_EPOCH * EPOCHS
 LOG_EVERY = 2  # a progress line ("epoch 1/3 step 2 ...") every 2 optimizer steps
-BASE_ARGS = (
-    "cifar", "--dataset", "synthetic", "--train-subset", "256", "--val-subset", "64",
+# The run keys every recipe's tiny job shares; 32 x 8 = 256 training samples per epoch.
+RUN_ARGS = (
     "--batch-size", "32", "--epochs", str(EPOCHS), "--checkpoint-every", "3",
     "--progress", "plain", "--log-every", str(LOG_EVERY), "--scheduler", "onecycle",
     "--device", "cpu",
 )
+# Run keys whose change a resume refuses, with a value that differs from RUN_ARGS'.
+FIXED_RUN_KEYS = {"batch-size": "64", "precision": "bf16", "seed": "1", "scheduler": "cosine",
+                  "accum-steps": "2", "log-every": "5", "patience": "2", "warmup-epochs": "1"}
+
+
+@dataclass(frozen=True)
+class RecipeCase:
+    """One recipe's tiny job: its name, its own arguments (the data), and its own keys that
+    a resume refuses to change (with a changed value)."""
+
+    name: str
+    args: tuple[str, ...]
+    fixed_keys: dict[str, str]
+
+    @property
+    def command_args(self) -> tuple[str, ...]:
+        return (self.name, *self.args, *RUN_ARGS)
+
+
+def _cifar_case(data_dir: Path) -> RecipeCase:
+    return RecipeCase("cifar", ("--dataset", "synthetic", "--train-subset", "256",
+                                "--val-subset", "64"),
+                      {"model": "resnet18", "train-subset": "128", "dataset": "cifar10",
+                       "momentum": "0.5", "weight-decay": "0", "lookahead": "false"})
+
+
+def _charlm_case(data_dir: Path) -> RecipeCase:
+    """One text file: the last 20% validates. Windows of 8 + 1 bytes: 2057 training bytes
+    are 256 windows (one slot is kept free for the random shift), 513 validation bytes 64."""
+    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if", "else"]
+    chooser = torch.Generator().manual_seed(0)
+    picks = torch.randint(len(words), (1200,), generator=chooser).tolist()
+    text = data_dir / "corpus.txt"
+    text.write_text(" ".join(words[i] for i in picks))
+    return RecipeCase("charlm", ("--text", str(text), "--val-fraction", "0.2",
+                                 "--max-train-bytes", "2057", "--max-val-bytes", "513",
+                                 "--block-size", "8", "--n-layer", "1", "--n-head", "2",
+                                 "--n-embd", "16"),
+                      {"block-size": "16", "n-embd": "32", "weight-decay": "0"})
+
+
+RECIPE_CASES = {"cifar": _cifar_case, "charlm": _charlm_case}
 RUN_TIMEOUT_SEC = 300  # a run takes ~10 s; generous for a loaded machine
 FAULT_VARIABLES = ("RELIABILITY_", "CKPT_TEST_")
 # Entries of a final checkpoint that legitimately differ between two runs of the same job:
@@ -65,35 +111,38 @@ def child_env(faults: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def recipe_command(run_dir: Path, *extra: str, entry: tuple[str, ...] = (str(RUN_RECIPE),)
-                   ) -> list[str]:
-    """``BASE_ARGS`` with ``--run-dir``; a ``--key value`` pair in ``extra`` replaces the base
-    one (the command line refuses a key given twice). ``entry=("-m", "recipes")`` runs the
-    unwrapped command line: no faults, the full-size net."""
+def recipe_command(case: RecipeCase, run_dir: Path, *extra: str,
+                   entry: tuple[str, ...] = (str(RUN_RECIPE),)) -> list[str]:
+    """The case's command with ``--run-dir``; a ``--key value`` pair in ``extra`` replaces
+    the base one (the command line refuses a key given twice). ``entry=("-m", "recipes")``
+    runs the unwrapped command line: no faults, CIFAR's full-size net."""
+    name, *base_args = case.command_args
     overridden = set(extra[::2])
-    base = [item for key, value in zip(BASE_ARGS[1::2], BASE_ARGS[2::2], strict=True)
+    base = [item for key, value in zip(base_args[0::2], base_args[1::2], strict=True)
             if key not in overridden for item in (key, value)]
-    return [sys.executable, *entry, BASE_ARGS[0], *base, "--run-dir", str(run_dir), *extra]
+    return [sys.executable, *entry, name, *base, "--run-dir", str(run_dir), *extra]
 
 
-def run_recipe(run_dir: Path, *extra: str, faults: dict[str, str] | None = None,
+def run_recipe(case: RecipeCase, run_dir: Path, *extra: str,
+               faults: dict[str, str] | None = None,
                entry: tuple[str, ...] = (str(RUN_RECIPE),)) -> Result:
     """Run the recipe to its end (or its crash) and return what it printed."""
     start = time.monotonic()
-    done = subprocess.run(recipe_command(run_dir, *extra, entry=entry), env=child_env(faults),
+    done = subprocess.run(recipe_command(case, run_dir, *extra, entry=entry),
+                          env=child_env(faults),
                           cwd=run_dir.parent, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_SEC)
     return Result(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
 
 
-def run_and_signal(run_dir: Path, signum: int, after_lines: int, delay_sec: float = 0.0,
-                   *extra: str, faults: dict[str, str] | None = None,
+def run_and_signal(case: RecipeCase, run_dir: Path, signum: int, after_lines: int,
+                   delay_sec: float = 0.0, *extra: str, faults: dict[str, str] | None = None,
                    entry: tuple[str, ...] = (str(RUN_RECIPE),)) -> Result:
     """Start the recipe, send ``signum`` ``delay_sec`` after its ``after_lines``-th progress
     line, and wait for it; ``extra["exit_sec"]`` is the time from the signal to the exit."""
     stderr_path = run_dir.parent / f"{run_dir.name}.stderr.txt"
     with open(stderr_path, "w") as stderr:
-        child = subprocess.Popen(recipe_command(run_dir, *extra, entry=entry),
+        child = subprocess.Popen(recipe_command(case, run_dir, *extra, entry=entry),
                                  env=child_env(faults),
                                  cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=stderr,
                                  text=True)
@@ -235,10 +284,17 @@ class Reference:
         assert '"status": "completed"' in summary
 
 
+@pytest.fixture(scope="session", params=list(RECIPE_CASES))
+def recipe_case(request, tmp_path_factory) -> RecipeCase:
+    """Every test that uses the reference, the interrupted run or the harness runs once per
+    recipe."""
+    return RECIPE_CASES[request.param](tmp_path_factory.mktemp(f"{request.param}-data"))
+
+
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory) -> Reference:
+def reference(recipe_case, tmp_path_factory) -> Reference:
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    result = run_recipe(run_dir)
+    result = run_recipe(recipe_case, run_dir)
     assert result.returncode == 0, result.stderr
     print(f"reference run: {result.seconds:.1f} s")
     reference = Reference.of(run_dir)
@@ -248,13 +304,13 @@ def reference(tmp_path_factory) -> Reference:
 
 
 @pytest.fixture(scope="session")
-def interrupted_run(tmp_path_factory) -> Path:
+def interrupted_run(recipe_case, tmp_path_factory) -> Path:
     """A run killed at the start of its 7th save. Committed: step 3, 6, best-step-8 (the
     epoch-end save; as it is also the newest, no separate step-8 is written), 9, 12, 15;
     history keeps 9, 12, 15; last.pt is a hard link to step 15 (iteration 15), best.pt to
     best-step-8. Tests copy it (``copy_run``) before changing anything."""
     run_dir = tmp_path_factory.mktemp("interrupted") / "run"
-    result = run_recipe(run_dir, faults={"CKPT_TEST_CRASH_PHASE": "before_temp:7"})
+    result = run_recipe(recipe_case, run_dir, faults={"CKPT_TEST_CRASH_PHASE": "before_temp:7"})
     assert result.returncode == 137, result.stderr
     assert read_checkpoint(run_dir / "checkpoints" / "last.pt")["meta"]["iteration"] == 15
     return run_dir
@@ -264,11 +320,13 @@ SIGNALS = {"SIGTERM": (signal.SIGTERM, 143), "SIGINT": (signal.SIGINT, 130)}
 
 
 @pytest.fixture(scope="session")
-def harness() -> SimpleNamespace:
-    """The helpers and constants above for the test modules, which cannot import this
-    conftest under ``--import-mode=importlib``."""
+def harness(recipe_case) -> SimpleNamespace:
+    """The helpers and constants above, bound to this session's recipe, for the test
+    modules, which cannot import this conftest under ``--import-mode=importlib``."""
     return SimpleNamespace(
-        run_recipe=run_recipe, run_and_signal=run_and_signal, copy_run=copy_run,
+        recipe=recipe_case.name, fixed_keys={**FIXED_RUN_KEYS, **recipe_case.fixed_keys},
+        run_recipe=functools.partial(run_recipe, recipe_case),
+        run_and_signal=functools.partial(run_and_signal, recipe_case), copy_run=copy_run,
         file_digests=file_digests, final_checkpoint=final_checkpoint, differences=differences,
         checkpoint_files=checkpoint_files, tensorboard_scalars=tensorboard_scalars,
         Reference=Reference, SIGNALS=SIGNALS,

@@ -20,12 +20,15 @@ pytestmark = [pytest.mark.reliability,
 
 @pytest.fixture
 def runs_root(tmp_path, reference, harness, monkeypatch):
-    """``tmp_path`` as the working directory, holding ``runs/cifar/existing`` (a copy of the
-    finished reference run) and ``runs/cifar/existing-jpeg``, the same run relabelled as one
-    trained on the image folders in ``tmp_path/images``, whose first training JPEG is corrupt."""
+    """``tmp_path`` as the working directory, holding ``runs/existing`` (a copy of the
+    finished reference run) and, for CIFAR, ``runs/existing-jpeg``, the same run relabelled
+    as one trained on the image folders in ``tmp_path/images``, whose first training JPEG is
+    corrupt."""
     monkeypatch.chdir(tmp_path)
-    harness.copy_run(reference.run_dir, tmp_path / "runs" / "cifar" / "existing")
-    jpeg_run = harness.copy_run(reference.run_dir, tmp_path / "runs" / "cifar" / "existing-jpeg")
+    harness.copy_run(reference.run_dir, tmp_path / "runs" / "existing")
+    if harness.recipe != "cifar":
+        return tmp_path
+    jpeg_run = harness.copy_run(reference.run_dir, tmp_path / "runs" / "existing-jpeg")
     images = tmp_path / "images"
     generator = torch.Generator().manual_seed(0)
     for split, count in (("train", 4), ("test", 2)):
@@ -42,10 +45,10 @@ def runs_root(tmp_path, reference, harness, monkeypatch):
     return tmp_path
 
 
-EXISTING = ("--run-dir", "runs/cifar/existing")
+EXISTING = ("--run-dir", "runs/existing")
 BAD_INPUTS = {
     "run_name_with_dotdot": (("--run-name", "../existing"), "--run-name"),
-    "run_name_with_slash": (("--run-name", "cifar/existing"), "--run-name"),
+    "run_name_with_slash": (("--run-name", "runs/existing"), "--run-name"),
     "run_name_over_64_chars": (("--run-name", "r" * 65), "--run-name"),
     "run_name_empty": (("--run-name", ""), "--run-name"),
     "unknown_key": ((*EXISTING, "--learning-rate", "0.1"), "--learning-rate"),
@@ -54,18 +57,22 @@ BAD_INPUTS = {
     "max_grad_norm_0": ((*EXISTING, "--max-grad-norm", "0"), "--max-grad-norm"),
     "max_grad_norm_negative": ((*EXISTING, "--max-grad-norm", "-1"), "--max-grad-norm"),
     "negative_patience": ((*EXISTING, "--patience", "-1"), "--patience"),
-    "data_dir_missing": (("--run-dir", "runs/cifar/existing-jpeg", "--data-dir", "no-such-dir"),
+}
+CIFAR_DATA_INPUTS = {
+    "data_dir_missing": (("--run-dir", "runs/existing-jpeg", "--data-dir", "no-such-dir"),
                          "no-such-dir"),
-    "corrupt_jpeg": (("--run-dir", "runs/cifar/existing-jpeg"), "0.jpg"),
+    "corrupt_jpeg": (("--run-dir", "runs/existing-jpeg"), "0.jpg"),
 }
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS)
+@pytest.mark.parametrize("case", [*BAD_INPUTS, *CIFAR_DATA_INPUTS])
 def test_bad_input_exits_2_with_one_line_and_touches_nothing(case, runs_root, harness, capsys):
-    args, named = BAD_INPUTS[case]
+    if case in CIFAR_DATA_INPUTS and harness.recipe != "cifar":
+        pytest.skip("CIFAR's image-folder data")
+    args, named = {**BAD_INPUTS, **CIFAR_DATA_INPUTS}[case]
     before = harness.file_digests(runs_root)
 
-    code = main(["cifar", *args])
+    code = main([harness.recipe, *args])
 
     err = capsys.readouterr().err
     assert code == 2

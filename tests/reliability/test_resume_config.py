@@ -12,28 +12,21 @@ from recipes.__main__ import main
 
 pytestmark = pytest.mark.reliability
 
-# Each would be silently undone by the checkpoint (the optimizer's and the schedule's own
-# values, the telemetry's window, early stopping's presence) or cannot load into it.
-FIXED = {
-    "model": "resnet18", "batch-size": "64", "precision": "bf16", "seed": "1",
-    "scheduler": "cosine", "accum-steps": "2", "train-subset": "128", "dataset": "cifar10",
-    "momentum": "0.5", "weight-decay": "0", "log-every": "5", "patience": "2",
-    "warmup-epochs": "1", "lookahead": "false",
-}
-
-
-@pytest.mark.parametrize("key", FIXED)
-def test_change_that_does_not_fit_the_saved_state_is_refused(key, reference, harness,
-                                                             tmp_path, capsys):
+def test_change_that_does_not_fit_the_saved_state_is_refused(reference, harness, tmp_path,
+                                                             capsys):
+    """Each key would be silently undone by the checkpoint (the optimizer's and the
+    schedule's own values, the telemetry's window, early stopping's presence) or cannot load
+    into it: the run keys of every recipe and the recipe's own (``harness.fixed_keys``)."""
     run_dir = harness.copy_run(reference.run_dir, tmp_path / "run")
     before = harness.file_digests(run_dir)
+    for key, value in harness.fixed_keys.items():
+        code = main([harness.recipe, "--run-dir", str(run_dir), f"--{key}", value])
 
-    code = main(["cifar", "--run-dir", str(run_dir), f"--{key}", FIXED[key]])
-
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert code == 2
-    assert len(lines) == 1 and lines[0].startswith(f"error: --{key}: cannot change on resume")
-    assert harness.file_digests(run_dir) == before
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2, key
+        assert len(lines) == 1 and lines[0].startswith(f"error: --{key}: cannot change on "
+                                                       "resume"), (key, lines)
+        assert harness.file_digests(run_dir) == before, key
 
 
 @pytest.mark.slow

@@ -1,0 +1,192 @@
+"""The run layer end to end on tiny data: one writer per run folder, a resume that knows its
+data, ``--describe``, and recipes found by name or path."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torchvision.io import encode_jpeg
+
+from recipes.__main__ import main
+from recipes.registry import find_recipes, load_recipe
+from recipes.run_lock import RunLock
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_RECIPE = REPO / "tests" / "reliability" / "run_recipe.py"  # the command line plus faults
+TIMEOUT_SEC = 600
+CHARLM = ["charlm", "--val-fraction", "0.2", "--block-size", "8", "--n-layer", "1",
+          "--n-head", "2", "--n-embd", "16", "--batch-size", "16", "--progress", "off",
+          "--device", "cpu"]
+
+
+def write_text(path: Path, words: int = 600, seed: int = 0) -> Path:
+    vocabulary = ["def", "return", "self", "value", "import", "class", "for", "in", "if"]
+    picks = torch.randint(len(vocabulary), (words,), generator=torch.Generator().manual_seed(seed))
+    path.write_text(" ".join(vocabulary[i] for i in picks.tolist()))
+    return path
+
+
+def digests(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def one_error_line(code: int, err: str, *fragments: str) -> str:
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+# --- recipes by name ----------------------------------------------------------------------
+
+
+def test_every_recipe_file_is_found_and_loads():
+    found = find_recipes()
+    assert {"cifar", "charlm"} <= set(found)
+    for name in found:
+        recipe = load_recipe(name)
+        assert recipe.name == name and recipe.best in recipe.metrics
+
+
+def test_an_unknown_recipe_names_the_available_ones(capsys):
+    one_error_line(main(["nosuch"]), capsys.readouterr().err, "unknown recipe 'nosuch'",
+                   "cifar", "charlm")
+
+
+# --- one writer per run folder ------------------------------------------------------------
+
+
+def test_a_second_writer_is_refused_and_touches_nothing(tmp_path, capsys):
+    text = write_text(tmp_path / "corpus.txt")
+    run_dir = tmp_path / "run"
+    with RunLock(run_dir):  # another process's run, as far as the command line can tell
+        before = digests(run_dir)
+        started = time.monotonic()
+        code = main([*CHARLM, "--text", str(text), "--run-dir", str(run_dir)])
+        one_error_line(code, capsys.readouterr().err, str(run_dir), "is in use by process")
+        assert time.monotonic() - started < 5
+        assert digests(run_dir) == before
+
+
+def test_two_concurrent_starts_one_trains_like_a_lone_run_the_other_exits_2(tmp_path):
+    """The first start stops itself (SIGSTOP) at its 3rd iteration, holding the lock, so
+    the second surely starts while it runs; then it goes on and must end like a lone run."""
+    text = write_text(tmp_path / "corpus.txt", words=3000)
+    args = [*CHARLM, "--text", str(text), "--epochs", "1"]
+
+    def start(run_dir: Path, **faults: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(RUN_RECIPE), *args, "--run-dir",
+                                 str(run_dir)], cwd=tmp_path, env={**os.environ, **faults},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = start(tmp_path / "shared", RELIABILITY_SIGNAL_AT="SIGSTOP:iteration:3")
+    deadline = time.monotonic() + TIMEOUT_SEC
+    while not _stopped(first.pid):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.05)
+    before = digests(tmp_path / "shared")
+    second = start(tmp_path / "shared")
+    _, second_err = second.communicate(timeout=TIMEOUT_SEC)
+    assert second.returncode == 2 and "is in use by process" in second_err, second_err
+    assert len(second_err.strip().splitlines()) == 1
+    assert digests(tmp_path / "shared") == before
+    os.kill(first.pid, signal.SIGCONT)
+    assert first.wait(timeout=TIMEOUT_SEC) == 0
+    lone = start(tmp_path / "lone")
+    assert lone.wait(timeout=TIMEOUT_SEC) == 0
+
+    def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+        return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+    shared, alone = weights(tmp_path / "shared"), weights(tmp_path / "lone")
+    assert all(torch.equal(shared[name], alone[name]) for name in alone)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T in /proc/<pid>/stat)."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T"
+
+
+# --- a resume that knows its data ---------------------------------------------------------
+
+
+def test_a_resume_on_changed_text_is_refused_then_allowed_with_the_override(tmp_path, capsys):
+    text = write_text(tmp_path / "corpus.txt")
+    run = [*CHARLM, "--text", str(text), "--run-dir", str(tmp_path / "run")]
+    assert main([*run, "--epochs", "1"]) == 0
+    text.write_text(text.read_text() + " return value")
+    capsys.readouterr()
+    before = digests(tmp_path / "run")
+
+    code = main([*run, "--epochs", "2"])
+    one_error_line(code, capsys.readouterr().err, "the data changed", "--allow-data-change")
+    assert digests(tmp_path / "run") == before
+
+    assert main([*run, "--epochs", "2", "--allow-data-change", "true"]) == 0
+    assert "override: data changed" in capsys.readouterr().out
+
+
+def write_image_folders(root: Path) -> None:
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", 4), ("test", 2)):
+        for label in range(10):
+            folder = root / split / f"class{label}"
+            folder.mkdir(parents=True)
+            for index in range(count):
+                image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=generator)
+                (folder / f"{index}.jpg").write_bytes(encode_jpeg(image).numpy().tobytes())
+
+
+@pytest.mark.filterwarnings("ignore:The image decoding and encoding:DeprecationWarning")
+@pytest.mark.parametrize(("change", "named"), [
+    ("add", "training samples 40 -> 41; class 'class3' 4 -> 5 samples"),
+    ("edit", "training images differ"),
+])
+def test_a_resume_on_changed_cifar_images_is_refused_naming_the_change(change, named, tmp_path,
+                                                                       capsys):
+    data = tmp_path / "images"
+    write_image_folders(data)
+    run = ["cifar", "--data-dir", str(data), "--batch-size", "8", "--tta", "none",
+           "--final-tta", "none", "--progress", "off", "--device", "cpu",
+           "--run-dir", str(tmp_path / "run")]
+    assert main([*run, "--epochs", "1"]) == 0
+    image = torch.full((3, 32, 32), 7, dtype=torch.uint8)
+    target = data / "train" / "class3" / ("extra.jpg" if change == "add" else "0.jpg")
+    target.write_bytes(encode_jpeg(image).numpy().tobytes())
+    capsys.readouterr()
+
+    one_error_line(main([*run, "--epochs", "2"]), capsys.readouterr().err, named)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["config"]["epochs"] == 1  # the refused start wrote nothing
+
+
+# --- --describe ---------------------------------------------------------------------------
+
+
+def test_describe_prints_each_event_with_its_handlers_in_order_and_writes_nothing(tmp_path):
+    text = write_text(tmp_path / "corpus.txt")
+    done = subprocess.run([sys.executable, "-m", "recipes", *CHARLM, "--text", str(text),
+                           "--describe"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=TIMEOUT_SEC)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "trainer:" and "evaluator:" in lines
+    events = [line.strip() for line in lines if line.startswith("  ") and
+              not line.startswith("    ")]
+    assert {"STARTED", "EPOCH_COMPLETED", "OPTIMIZER_STEP", "COMPLETED"} <= set(events)
+    trainer = lines[:lines.index("evaluator:")]
+    epoch_end = trainer[trainer.index("  EPOCH_COMPLETED") + 1:]
+    epoch_end = [line.strip() for line in epoch_end[:next(
+        (i for i, line in enumerate(epoch_end) if not line.startswith("    ")), None)]]
+    # The evaluation runs before the epoch's 'last' save, so a resume never skips it.
+    evaluate = epoch_end.index("attach_standard_handlers.evaluate")
+    assert evaluate < epoch_end.index("RankZeroSave")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
