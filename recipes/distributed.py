@@ -4,7 +4,7 @@
 (``idist.Parallel(backend, nproc_per_node=2)``); ``torchrun --nproc-per-node=2 -m recipes
 cifar`` starts them itself, and each one joins their group (``idist.Parallel(backend)``).
 Every process then runs the same training function on its slice of each global batch
-(DESIGN.md, "Randomness and exact resume"); only rank 0 writes.
+(docs/design.md, "Randomness and exact resume"); only rank 0 writes.
 
 Rank 0's exit code is the run's (the others return 0 when they finish). A process that
 raises ends the others at once (the spawner or torchrun stops them), and the spawner exits
@@ -159,7 +159,7 @@ class RankZeroSave:
     on every rank at the same events: under several processes it is a collective."""
 
     def __init__(self, save: Callable[[Any], None]) -> None:
-        self.save = save
+        self.save = self.__wrapped__ = save  # __wrapped__: how --describe names it
 
     def __call__(self, engine: Any) -> None:
         error = None

@@ -91,9 +91,15 @@ def attach_weight_averaging(config: RunConfig, model: nn.Module, trainer: Traine
             **({"bn_batches": bn_batches, "bn_input": bn_input} if has_bn else {}))
     averaging.attach(trainer)
     swap = ExitStack()
-    evaluator.add_event_handler(Events.STARTED,
-                                lambda: swap.enter_context(averaging.swapped_in()))
-    evaluator.add_event_handler(Events.COMPLETED, swap.close)  # after the metrics' own
+
+    def swap_in_average() -> None:
+        swap.enter_context(averaging.swapped_in())
+
+    def swap_out_average() -> None:
+        swap.close()
+
+    evaluator.add_event_handler(Events.STARTED, swap_in_average)
+    evaluator.add_event_handler(Events.COMPLETED, swap_out_average)  # after the metrics'
     return averaging
 
 
