@@ -4,6 +4,7 @@ from handlers.checkpoint import Checkpointer, CheckpointError, ResumeInfo, read_
 from handlers.early_stopping import EarlyStopping
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
 from handlers.lookahead import Lookahead
+from handlers.lr_finder import LRFinderResult, find_lr, plot_lr_find
 from handlers.lr_scheduling import (
     CLOCKS,
     SCHEDULER_NAMES,
@@ -14,6 +15,7 @@ from handlers.lr_scheduling import (
 )
 from handlers.progress import Progress
 from handlers.tensorboard import TensorBoardLogger
+from handlers.weight_averaging import WeightAveraging
 
 __all__ = [
     "CLOCKS",
@@ -22,14 +24,18 @@ __all__ = [
     "Checkpointer",
     "EarlyStopping",
     "GradientTelemetry",
+    "LRFinderResult",
     "LRSchedulerHandler",
     "Lookahead",
     "Progress",
     "ResumeInfo",
     "TelemetryReport",
     "TensorBoardLogger",
+    "WeightAveraging",
     "build_scheduler",
     "continue_with_new_settings",
+    "find_lr",
     "optimizer_steps_per_epoch",
+    "plot_lr_find",
     "read_checkpoint",
 ]
