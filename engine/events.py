@@ -13,11 +13,15 @@ class TrainEvents(EventEnum):
     filters such as ``TrainEvents.OPTIMIZER_STEP(every=50)`` work as usual.
 
     ``STEP_SKIPPED`` fires when a window's update was skipped because its
-    gradient norm was not finite; ``engine.state.skipped_steps`` counts them.
+    gradient norm was not finite, or because the trainer's step veto (see
+    ``Trainer.set_step_veto``) held it back; ``engine.state.skipped_steps`` counts them.
+    ``STEP_VETOED`` follows ``STEP_SKIPPED`` for a step the veto held back, so the veto's
+    owner acts once every handler of the skip has run.
     """
 
     OPTIMIZER_STEP = "optimizer_step"
     STEP_SKIPPED = "step_skipped"
+    STEP_VETOED = "step_vetoed"
 
 
 EVENT_TO_ATTR = {

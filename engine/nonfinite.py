@@ -9,7 +9,7 @@ import torch
 from ignite.engine import Engine
 
 from engine.events import TrainEvents
-from engine.update_gate import HostGate, MaskedGate
+from engine.update_gate import HostGate, MaskedGate, StepVeto
 
 NON_FINITE_MODES = ("skip", "raise")
 
@@ -45,6 +45,10 @@ class NonFiniteGuard:
     as skipped but does not count towards ``max_consecutive_skips`` and never raises. Every
     other skip (a NaN or inf loss, any bf16/fp32 skip, or fp16 with the scale already at or
     below 1) does.
+
+    A step that ``veto`` held back (its norm was finite) is counted as skipped and fires
+    ``STEP_SKIPPED`` then ``STEP_VETOED``; it neither counts towards nor resets
+    ``consecutive_skips``: the veto's owner keeps its own ladder.
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class NonFiniteGuard:
         self.max_consecutive_skips = max_consecutive_skips
         self.first_failure = ""
         self.pending: PendingStep | None = None
+        self.veto: StepVeto | None = None
 
     def settle(self, engine: Engine) -> None:
         pending, self.pending = self.pending, None  # first: the events below may settle again
@@ -79,6 +84,10 @@ class NonFiniteGuard:
             engine._fire_event(TrainEvents.OPTIMIZER_STEP)
             return
         engine.state.skipped_steps += 1
+        if self.veto is not None and self.gate.vetoed():
+            engine._fire_event(TrainEvents.STEP_SKIPPED)
+            engine._fire_event(TrainEvents.STEP_VETOED)
+            return
         if not self._is_scaler_backoff(pending):
             self._count_failure(engine, pending)
         engine._fire_event(TrainEvents.STEP_SKIPPED)
@@ -113,7 +122,6 @@ class NonFiniteGuard:
                 f"step(s) skipped, stopping at iteration {pending.iteration} "
                 f"(non_finite={self.mode!r}, max_consecutive_skips={self.max_consecutive_skips})"
             )
-
 
     def _first_bad(self, pending: PendingStep) -> str | None:
         """The first parameter whose gradient norm is not finite (read only after a skip)."""

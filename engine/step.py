@@ -66,11 +66,12 @@ def make_train_step(
             scaler.unscale_(optimizer)
             # The scale this window was scaled with; cloned because update() changes it in place.
             output["scale"] = scaler._get_scale_async().detach().clone()
-        # 6-7: the step, kept off the weights if the norm is not finite (see update_gate);
+        # 6-7: the step, kept off the weights if the norm is not finite or a veto (the spike
+        # guard) holds it back (see update_gate);
         # the scale update (fp16) backs off after an overflow, on the device.
         stepped = [p for p in params if p.grad is not None]
         gradient_norms, output["grad_norm"] = guard.gate.update(
-            [p.grad for p in stepped], stepped, max_grad_norm
+            [p.grad for p in stepped], stepped, max_grad_norm, guard.veto, window_losses
         )
         if precision.uses_scaler:
             scaler.update()

@@ -1,6 +1,7 @@
 """Factories for the training and evaluation engines."""
 
 import logging
+import math
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -22,7 +23,7 @@ from engine.events import EVENT_TO_ATTR, TrainEvents
 from engine.nonfinite import NonFiniteGuard
 from engine.precision import Precision, resolve_precision
 from engine.step import make_train_step
-from engine.update_gate import make_gate
+from engine.update_gate import StepVeto, make_gate
 
 # Engine state that a checkpoint must carry besides epoch and iteration.
 TRAINER_STATE_KEYS = ("optimizer_step", "skipped_steps", "consecutive_skips")
@@ -59,6 +60,7 @@ class Trainer(Engine):
         self.precision = precision
         self.accum_steps, self.max_grad_norm = accum_steps, max_grad_norm
         self._guard = guard
+        self._shortened_epoch: int | None = None  # see skip_batches
         self.register_events(*TrainEvents, event_to_attr=EVENT_TO_ATTR)
         for key in TRAINER_STATE_KEYS:
             setattr(self.state, key, 0)
@@ -80,6 +82,58 @@ class Trainer(Engine):
         if self._guard is not None:
             self._guard.settle(self)
 
+    def set_step_veto(self, veto: StepVeto | None) -> None:
+        """Consult ``veto(window_losses, pre_clip_norm)`` before every optimizer step: a True
+        (a bool tensor, decided on the device) keeps the step off the weights and the
+        optimizer state like a non-finite one, and it settles as ``STEP_SKIPPED`` then
+        ``STEP_VETOED``. ``None`` removes it."""
+        if self._guard is None:
+            raise ValueError("this trainer's process function fires its own step events: "
+                             "it has no update gate to veto")
+        self._guard.veto = veto
+
+    def set_lr_scale(self, lr_scale: float) -> None:
+        """Multiply every group's LR by ``lr_scale`` inside each optimizer step from now on
+        (1.0: as scheduled). The scaled LR exists only during ``optimizer.step()``: handlers,
+        schedules and checkpoints see the scheduled one."""
+        if self._guard is None:
+            raise ValueError("this trainer's process function steps the optimizer itself")
+        if isinstance(lr_scale, bool) or not isinstance(lr_scale, int | float) or not (
+                0 < lr_scale < math.inf):
+            raise ValueError(f"lr_scale must be a finite number > 0, got {lr_scale!r}")
+        self._guard.gate.lr_scale = float(lr_scale)
+
+    def skip_batches(self, count: int) -> int:
+        """Drop the next ``count`` batches of this epoch, fewer at its end, without training
+        on them: ``state.iteration`` moves past them and the data iterator skips them.
+        Call it between windows (from a handler of a step's event or of
+        ``GET_BATCH_STARTED``); the skip stops at a window's start. Returns how many were
+        dropped. Skipping to the epoch's end ends the epoch now (its ``EPOCH_COMPLETED``
+        follows); a shorter skip ends it after its last batch instead of asking for more.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        state = self.state
+        if state.epoch_length is None:
+            raise ValueError("skip_batches needs a known epoch length")
+        position = state.iteration - (state.epoch - 1) * state.epoch_length
+        target = -(-(position + count) // self.accum_steps) * self.accum_steps
+        dropped = min(target, state.epoch_length) - position
+        if dropped == 0:
+            return 0
+        state.iteration += dropped
+        if position + dropped == state.epoch_length:
+            self.terminate_epoch()
+            return dropped
+        for _ in range(dropped):
+            next(self._dataloader_iter)
+        # Ignite counts the epoch's batches itself and would ask the iterator for the dropped
+        # ones again at the end: the epoch ends at its last batch instead.
+        self._shortened_epoch = state.epoch
+        if not self.has_event_handler(_end_shortened_epoch, Events.ITERATION_COMPLETED):
+            self.add_event_handler(Events.ITERATION_COMPLETED, _end_shortened_epoch)
+        return dropped
+
     def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
         # Ignite's own formats a debug message for every event, logged or not: ~1-2 us
         # each, several times per micro-batch. The same loop, formatting only when logged.
@@ -96,6 +150,15 @@ class Trainer(Engine):
                 func(engine, *event_args, *args[1:], **kwargs)
             else:
                 func(*event_args, *args, **kwargs)
+
+
+def _end_shortened_epoch(trainer: Trainer) -> None:
+    """Ends an epoch that ``skip_batches`` shortened at its last batch. (Ending an epoch
+    whose count Ignite has right is harmless: its iterator is spent there too.)"""
+    state = trainer.state
+    if state.epoch == trainer._shortened_epoch and state.iteration % state.epoch_length == 0:
+        trainer._shortened_epoch = None
+        trainer.terminate_epoch()
 
 
 def _start_counters(engine: Engine) -> None:

@@ -2,10 +2,32 @@
 finite, without making the host wait for the device."""
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from engine.gradients import clip_on_device, gradient_norms, host_clip_coefficient
+
+# (the window's micro-batch losses, its pre-clip gradient norm) -> a 0-d bool tensor on the
+# norm's device, True to hold this window's update back. Called once per window before its
+# step: on the host gate only when the norm is finite, on the masked gate always.
+StepVeto = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def step_with_lr_scale(optimizer: torch.optim.Optimizer, lr_scale: float) -> None:
+    """``optimizer.step()`` with every group's LR times ``lr_scale`` for this call only, so
+    no handler, schedule or checkpoint ever sees the scaled LR."""
+    if lr_scale == 1.0:
+        optimizer.step()
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr * lr_scale
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
 
 
 class HostGate:
@@ -18,26 +40,35 @@ class HostGate:
         self.optimizer = optimizer
         self._norm = torch.empty(())
         self._norm_view = self._norm.numpy()
-        self._finite = True
+        self._applied = True
+        self._vetoed = False
+        self.lr_scale = 1.0  # see step_with_lr_scale
 
     def update(
-        self, grads: list[torch.Tensor], stepped: list[torch.Tensor], max_grad_norm: float | None
+        self, grads: list[torch.Tensor], stepped: list[torch.Tensor], max_grad_norm: float | None,
+        veto: StepVeto | None = None, window_losses: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-gradient norms, global pre-clip norm) of a window, after its update."""
         per_gradient = gradient_norms(grads)
         torch.linalg.vector_norm(per_gradient, out=self._norm)
         norm = float(self._norm_view[()])
-        self._finite = math.isfinite(norm)
-        if self._finite:
+        finite = math.isfinite(norm)
+        self._vetoed = finite and veto is not None and bool(veto(window_losses, self._norm))
+        self._applied = finite and not self._vetoed
+        if self._applied:
             coef = 1.0 if max_grad_norm is None else host_clip_coefficient(norm, max_grad_norm)
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
-            self.optimizer.step()
+            step_with_lr_scale(self.optimizer, self.lr_scale)
         return per_gradient, self._norm.clone()
 
     def finite(self) -> bool:
-        """Whether the last ``update`` stepped."""
-        return self._finite
+        """Whether the last ``update`` stepped: its norm was finite and no veto held it back."""
+        return self._applied
+
+    def vetoed(self) -> bool:
+        """Whether the veto held the last ``update`` back (its norm was finite)."""
+        return self._vetoed
 
 
 class MaskedGate:
@@ -46,7 +77,7 @@ class MaskedGate:
     ``torch.where`` when the norm was not finite, so no host decision comes between the
     backward and the update. The flag is copied to pinned host memory without blocking;
     ``finite()`` reads it at the next micro-batch, by when the device has normally
-    finished the step.
+    finished the step. A veto is decided on the device as well and joins the flag.
 
     What ``torch.where`` cannot put back on the device is put back by ``finite()``, before
     the next forward and the next step: optimizer state on the host (Adam's ``step``
@@ -59,22 +90,29 @@ class MaskedGate:
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         self.optimizer = optimizer
         on_cuda = device.type == "cuda"
-        self._flag = torch.empty((), dtype=torch.bool, pin_memory=on_cuda)
-        self._flag_view = self._flag.numpy()
+        # (applied, vetoed); the second is written only by an update with a veto.
+        self._flags = torch.zeros(2, dtype=torch.bool, pin_memory=on_cuda)
+        self._flags_view = self._flags.numpy()
         self._copied = torch.cuda.Event() if on_cuda else None
         self._saved_state: list[tuple[torch.Tensor, dict | None]] = []
         self._host_snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.lr_scale = 1.0  # see step_with_lr_scale
 
     @torch.no_grad()
     def update(
-        self, grads: list[torch.Tensor], stepped: list[torch.Tensor], max_grad_norm: float | None
+        self, grads: list[torch.Tensor], stepped: list[torch.Tensor], max_grad_norm: float | None,
+        veto: StepVeto | None = None, window_losses: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-gradient norms, global pre-clip norm) of a window, after its update."""
         per_gradient = gradient_norms(grads)
         norm = torch.linalg.vector_norm(per_gradient)
         if max_grad_norm is not None:
             clip_on_device(grads, norm, max_grad_norm)
-        finite = torch.isfinite(norm)
+        applied = torch.isfinite(norm)
+        if veto is not None:
+            vetoed = applied & veto(window_losses, norm)
+            applied = applied & ~vetoed
+            self._flags[1].copy_(vetoed, non_blocking=True)
         state = self.optimizer.state
         self._saved_state = [(p, dict(state[p]) if p in state else None) for p in stepped]
         on_device, on_host = list(stepped), []
@@ -84,10 +122,10 @@ class MaskedGate:
                     (on_device if value.device == norm.device else on_host).append(value)
         backups = [t.clone() for t in on_device]
         self._host_snapshots = [(t, t.clone()) for t in on_host]
-        self.optimizer.step()
+        step_with_lr_scale(self.optimizer, self.lr_scale)
         for live, backup in zip(on_device, backups, strict=True):
-            torch.where(finite, live, backup, out=live)
-        self._flag.copy_(finite, non_blocking=True)
+            torch.where(applied, live, backup, out=live)
+        self._flags[0].copy_(applied, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         return per_gradient, norm
@@ -96,8 +134,8 @@ class MaskedGate:
         """Whether the last ``update`` was applied; puts back what the device could not."""
         if self._copied is not None:
             self._copied.synchronize()  # normally done already: the step was queued earlier
-        finite = bool(self._flag_view[()])
-        if not finite:
+        applied = bool(self._flags_view[0])
+        if not applied:
             for live, snapshot in self._host_snapshots:
                 live.copy_(snapshot)
             for p, saved in self._saved_state:
@@ -106,7 +144,11 @@ class MaskedGate:
                 else:
                     self.optimizer.state[p] = saved
         self._saved_state, self._host_snapshots = [], []
-        return finite
+        return applied
+
+    def vetoed(self) -> bool:
+        """Whether the veto held the last ``update`` back; read after ``finite()``."""
+        return bool(self._flags_view[1])
 
 
 def make_gate(optimizer: torch.optim.Optimizer, device: torch.device) -> HostGate | MaskedGate:
