@@ -195,6 +195,14 @@ def channel_stats(samples: Sequence[Sample], size: int, count: int = STATS_IMAGE
     return tuple(pixels.mean(1).tolist()), tuple(pixels.std(1).tolist())
 
 
+def leave_process_group(worker_id: int) -> None:
+    """``worker_init_fn``: the worker moves to a process group of its own. Ctrl-C and
+    ``timeout`` signal the whole group of the training process, which then finishes its
+    step, saves and stops, still drawing batches: its workers must not die of the same
+    signal. Ending them by process id (``terminate()``) still works."""
+    os.setpgrp()
+
+
 class ImageFiles(Dataset):
     """Decodes and transforms one file per item, in whichever process asks.
 
@@ -305,6 +313,7 @@ class TrainLoader(OneLineDataErrors):
         # global stream (checkpointed; a resume would draw it at another moment).
         loader = StatefulDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                     pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                                    worker_init_fn=leave_process_group,
                                     generator=torch.Generator().manual_seed(sampler.seed))
         super().__init__(loader)
         self.sampler = sampler
@@ -342,4 +351,5 @@ def eval_loader(dataset: ImageFiles, batch_size: int, *, num_workers: int, rank:
     return OneLineDataErrors(DataLoader(block, batch_size=batch_size, num_workers=num_workers,
                                         pin_memory=pin_memory,
                                         persistent_workers=num_workers > 0,
+                                        worker_init_fn=leave_process_group,
                                         generator=torch.Generator().manual_seed(0)))

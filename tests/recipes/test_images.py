@@ -176,20 +176,38 @@ def test_a_corrupt_image_met_by_a_worker_names_its_file_in_one_line(tmp_path):
 
 
 def run_and_signal(args: list[str], cwd: Path, signum: int, after_lines: int,
-                   delay_sec: float) -> subprocess.CompletedProcess:
+                   delay_sec: float, whole_group: bool = False) -> subprocess.CompletedProcess:
     """Start the run, send ``signum`` ``delay_sec`` after its ``after_lines``-th progress
-    line, and wait for it to end."""
+    line (to the training process, or to its whole process group, workers included, as
+    Ctrl-C and job schedulers do), and wait for it to end."""
     process = subprocess.Popen([sys.executable, "-m", "recipes", "images", *args], cwd=cwd,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=whole_group)
     lines = 0
     for line in process.stdout:
         lines += line.startswith("epoch ")
         if lines == after_lines:
             time.sleep(delay_sec)
-            process.send_signal(signum)
+            if whole_group:
+                os.killpg(process.pid, signum)
+            else:
+                process.send_signal(signum)
             break
     stdout, stderr = process.communicate(timeout=TIMEOUT_SEC)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_whole_process_group_stops_gracefully_with_workers(workspace, tmp_path):
+    """The workers ignore it: the training process saves, ends them and exits 143."""
+    args = ["--data-dir", str(workspace / "tree"), "--num-workers", "2",
+            "--run-dir", str(tmp_path / "run"), *RUN]
+    stopped = run_and_signal(args, tmp_path, signal.SIGTERM, 3, 0.0, whole_group=True)
+    assert stopped.returncode == 143, stopped.stderr
+    assert '"status": "interrupted by SIGTERM"' in stopped.stdout
+    assert "Traceback" not in stopped.stderr and "killed by signal" not in stopped.stderr
+    resumed = run_cli(args, tmp_path)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
 
 
 def _trial(seed: int, workers: int, signum: int, slow: bool):
