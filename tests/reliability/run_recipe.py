@@ -13,6 +13,9 @@ Faults, each off unless its variable is set:
 ``RELIABILITY_NAN_ITERATIONS="5,6,7"``
     the training loss of those trainer iterations (1-based) is multiplied by NaN after the
     forward pass, so the forward (and BatchNorm statistics) is clean and every gradient NaN.
+``RELIABILITY_SPIKE_ITERATIONS="10,12"``
+    the training loss of those trainer iterations is multiplied by 1e3 after the forward
+    pass (a loss spike: every gradient 1e3 times its size, for ``--spike-guard``).
 ``RELIABILITY_SNAPSHOT_ITERATIONS="4,5"`` with ``RELIABILITY_SNAPSHOT_DIR``
     after those iterations, ``it-<N>.pt`` holds the model's and optimizer's state dicts.
 ``RELIABILITY_SIGNAL_AT="SIGKILL:iteration:13"``
@@ -56,9 +59,11 @@ def _narrow_build_model(name: str, num_classes: int = 10) -> torch.nn.Module:
 
 
 def _install_trainer_hooks() -> None:
-    """Wrap the run layer's ``create_trainer`` to add the NaN, snapshot and signal faults."""
+    """Wrap the run layer's ``create_trainer`` to add the NaN, spike, snapshot and signal
+    faults."""
     real_create_trainer = recipes.run.create_trainer
     nan_iterations = _iterations("RELIABILITY_NAN_ITERATIONS")
+    spike_iterations = _iterations("RELIABILITY_SPIKE_ITERATIONS")
     snapshot_iterations = _iterations("RELIABILITY_SNAPSHOT_ITERATIONS")
     signal_name, _, where = os.environ.get("RELIABILITY_SIGNAL_AT", "").partition(":")
     signal_event, _, signal_count = where.partition(":")
@@ -71,6 +76,8 @@ def _install_trainer_hooks() -> None:
             loss = clean_forward(model, batch)
             if trainer.state.iteration in nan_iterations:
                 loss = loss * float("nan")
+            if trainer.state.iteration in spike_iterations:
+                loss = loss * 1e3
             return loss
 
         trainer = real_create_trainer(model, optimizer, loss_fn, forward=faulty_forward,
