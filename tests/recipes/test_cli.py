@@ -141,7 +141,7 @@ def test_make_train_passes_recipe_and_args_through():
 # --- bad input: exit 2, one line, nothing on disk -----------------------------------------
 
 BAD_INPUT = {
-    "unknown recipe": (["imagenet"], ["unknown recipe 'imagenet'", "available: cifar"]),
+    "unknown recipe": (["imagenet"], ["unknown recipe 'imagenet'", "available:", "cifar"]),
     "unknown key": (["cifar", "--epoch", "3"], ["unknown key --epoch", "did you mean --epochs"]),
     "lr negative": (["cifar", "--lr", "-1"], ["--lr", "must be > 0", "-1"]),
     "lr not a number": (["cifar", "--lr", "abc"], ["--lr", "expected a number", "'abc'"]),

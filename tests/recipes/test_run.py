@@ -188,5 +188,5 @@ def test_describe_prints_each_event_with_its_handlers_in_order_and_writes_nothin
         (i for i, line in enumerate(epoch_end) if not line.startswith("    ")), None)]]
     # The evaluation runs before the epoch's 'last' save, so a resume never skips it.
     evaluate = epoch_end.index("attach_standard_handlers.evaluate")
-    assert evaluate < epoch_end.index("RankZeroSave")
+    assert evaluate < epoch_end.index("RankZeroSave(Checkpointer.save_last)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
