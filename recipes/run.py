@@ -4,7 +4,8 @@
 folder, starts the processes (one here, ``--nproc`` spawned, or joins torchrun's group),
 builds the recipe's parts, attaches the standard handlers, resumes, trains, and writes
 ``summary.json`` and the curves. Exit codes: 0 done, 2 user error (nothing written),
-3 non-finite gradients, 4 a checkpoint could not be written, 130/143 after Ctrl-C/SIGTERM.
+3 non-finite gradients or loss spikes that a rollback did not cure, 4 a checkpoint could
+not be written, 130/143 after Ctrl-C/SIGTERM.
 """
 
 import dataclasses
@@ -33,6 +34,7 @@ from engine import (
 )
 from handlers import CheckpointError, continue_with_new_settings, optimizer_steps_per_epoch
 from handlers.lr_finder import find_lr, plot_lr_find
+from handlers.spike_guard import LossSpikeError
 from recipes.config import ConfigError, resume_overrides
 from recipes.curves import plot_curves
 from recipes.distributed import (
@@ -278,7 +280,7 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     try:
         if not finished:
             trainer.run(batches, max_epochs=config.epochs)
-    except NonFiniteGradientError as error:  # raised by every rank at the same step
+    except (NonFiniteGradientError, LossSpikeError) as error:  # every rank, the same step
         status, exit_code = f"stopped: {error}", 3
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
@@ -319,6 +321,8 @@ def _write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
     history, early_stopping = handlers.history, handlers.early_stopping
     history.stopped_early = bool(early_stopping and early_stopping.stopped_early)
     summary = {"status": status, "run_id": started.run_id, **history.summary(trainer)}
+    if handlers.spike_guard is not None:
+        summary |= handlers.spike_guard.summary()
     print(json.dumps(summary, indent=2))
     try:  # the disk that failed a checkpoint may fail these too: the checkpoints matter
         write_json_atomic(started.run_dir / "summary.json", summary)

@@ -84,6 +84,45 @@ class RunConfig:
                                   min=1)
     keep_last: int = field(3, "history checkpoints to keep", min=1)
     progress: str = field("auto", "progress display", choices=PROGRESS)
+    spike_guard: bool = field(False, "loss-spike recovery: skip a step whose loss or gradient "
+                              "norm exceeds --spike-factor x their running median; after "
+                              "--spike-repeat such spikes roll back, skip batches and cool the "
+                              "LR; stop (exit 3) if they repeat after --spike-max-rollbacks",
+                              fixed_on_resume=True)
+    spike_factor: float = field(6.0, "a spike is above this multiple of the median", min=1,
+                                min_exclusive=True, fixed_on_resume=True)
+    spike_window: int = field(100, "steps whose median the spike threshold uses", min=1,
+                              fixed_on_resume=True)
+    spike_min_history: int = field(20, "steps known before any spike is decided", min=1,
+                                   fixed_on_resume=True)
+    spike_watch: str = field("both", "values compared with their median",
+                             choices=("both", "loss", "grad_norm"), fixed_on_resume=True)
+    spike_repeat: int = field(3, "spikes within --spike-repeat-window steps that roll back",
+                              min=1, fixed_on_resume=True)
+    spike_repeat_window: int = field(50, "steps in which --spike-repeat spikes roll back",
+                                     min=1, fixed_on_resume=True)
+    spike_snapshot_every: int = field(100, "optimizer steps between the in-memory snapshots a "
+                                      "rollback returns to", min=1, fixed_on_resume=True)
+    spike_skip_batches: int = field(200, "batches skipped after a rollback (at most to the "
+                                    "epoch's end)", min=0, fixed_on_resume=True)
+    spike_cooldown_factor: float = field(0.5, "LR factor after a rollback", min=0, max=1,
+                                         min_exclusive=True, fixed_on_resume=True)
+    spike_cooldown_steps: int = field(100, "optimizer steps the LR stays cooled", min=0,
+                                      fixed_on_resume=True)
+    spike_max_rollbacks: int = field(1, "rollbacks before repeated spikes stop the run", min=0,
+                                     fixed_on_resume=True)
+
+    def spike_guard_options(self) -> dict:
+        """``SpikeGuard``'s arguments from the ``--spike-*`` keys."""
+        watch = ("loss", "grad_norm") if self.spike_watch == "both" else (self.spike_watch,)
+        return {"factor": self.spike_factor, "history": self.spike_window,
+                "min_history": self.spike_min_history, "watch": watch,
+                "repeat": self.spike_repeat, "repeat_window": self.spike_repeat_window,
+                "snapshot_every": self.spike_snapshot_every,
+                "skip_batches": self.spike_skip_batches,
+                "cooldown_factor": self.spike_cooldown_factor,
+                "cooldown_steps": self.spike_cooldown_steps,
+                "max_rollbacks": self.spike_max_rollbacks}
 
     def warmup(self) -> float:
         """Warmup in epochs: ``warmup_epochs`` when given, else the fraction of ``epochs``

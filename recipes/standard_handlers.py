@@ -32,6 +32,7 @@ from handlers import (
 )
 from handlers.graceful_stop import GracefulStop
 from handlers.history import RunHistory
+from handlers.spike_guard import SpikeAction, SpikeGuard
 from handlers.weight_averaging import WeightAveraging
 from recipes.config import ConfigError
 from recipes.distributed import RankZeroSave
@@ -51,6 +52,7 @@ class StandardHandlers:
     stop: GracefulStop
     make_scheduler: Callable[[], LRSchedulerHandler | None]
     evaluate: Callable[[Engine], None]  # on the trainer's EPOCH_COMPLETED
+    spike_guard: SpikeGuard | None = None
 
 
 def make_scheduler_factory(config: RunConfig, trainer: Trainer, plan: RunPlan
@@ -101,6 +103,12 @@ def attach_weight_averaging(config: RunConfig, model: nn.Module, trainer: Traine
     evaluator.add_event_handler(Events.STARTED, swap_in_average)
     evaluator.add_event_handler(Events.COMPLETED, swap_out_average)  # after the metrics'
     return averaging
+
+
+# Entries of to_save a spike guard's rollback leaves alone: the trainer (the guard moves it
+# itself), the guard, and the records of what happened.
+NOT_ROLLED_BACK = ("trainer", "spike_guard", "telemetry", "history", "tensorboard",
+                   "early_stopping")
 
 
 def attach_standard_handlers(
@@ -158,6 +166,10 @@ def attach_standard_handlers(
                **(extra_state or {})}
     to_save |= {"scheduler": scheduler} if scheduler is not None else {}
     to_save |= {"early_stopping": early_stopping} if early_stopping is not None else {}
+    spike_guard = None
+    if config.spike_guard:
+        spike_guard = SpikeGuard(**config.spike_guard_options(), quiet=rank != 0)
+        to_save["spike_guard"] = spike_guard
     if rank == 0:  # only rank 0 writes; every rank loads the same checkpoint
         tensorboard = TensorBoardLogger(run_dir, hparams=dataclasses.asdict(config),
                                         batch_size=config.batch_size, modes=modes)
@@ -165,6 +177,11 @@ def attach_standard_handlers(
     checkpointer = Checkpointer(run_dir / "checkpoints", to_save, run_id=run_id,
                                 config={**dataclasses.asdict(config), **(checkpoint_meta or {})},
                                 keep_last=config.keep_last, metric=best, mode=modes[best])
+    if spike_guard is not None:  # after the schedule and averaging, before the saves
+        spike_guard.attach(trainer, {name: obj for name, obj in to_save.items()
+                                     if name not in NOT_ROLLED_BACK})
+        if rank == 0:
+            spike_guard.add_listener(lambda action: _log_spike_action(tensorboard, action))
     if rank == 0:  # before the saves: a checkpoint taken at an evaluation holds its best
         tensorboard.attach(trainer, telemetry, evaluator)
     # Only rank 0 writes, but every rank takes part in each save (RankZeroSave): a failed
@@ -185,4 +202,11 @@ def attach_standard_handlers(
     stop = GracefulStop(save_last)
     stop.attach(trainer)
     return StandardHandlers(telemetry, history, scheduler, early_stopping, checkpointer, stop,
-                            make_scheduler, evaluate)
+                            make_scheduler, evaluate, spike_guard)
+
+
+def _log_spike_action(tensorboard: TensorBoardLogger, action: SpikeAction) -> None:
+    """``health/spikes_skipped``, ``health/rollbacks`` and ``health/lr_scale`` at each action."""
+    for name, value in action.counts.items():
+        tensorboard.writer.add_scalar(f"health/{name}", value, action.step)
+    tensorboard.writer.flush()
