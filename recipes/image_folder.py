@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from ignite.engine import Engine
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -305,7 +306,9 @@ class TrainLoader(OneLineDataErrors):
 
     The worker count is part of that state (a resume must keep it). Ignite's ``run``
     calls ``iter()`` once when it resumes mid-epoch and counts the epoch's remaining
-    iterations from ``state.iteration``: the restored loader yields exactly those."""
+    iterations from ``state.iteration``: the restored loader yields exactly those.
+    Bound to the engine (``bind``), each pass also starts where ``engine.state`` is, so
+    an epoch the engine ends early (``terminate_epoch``) is not continued in the next."""
 
     def __init__(self, dataset: ImageFiles, sampler: EpochBatchSampler, *, num_workers: int,
                  pin_memory: bool = False) -> None:
@@ -316,7 +319,19 @@ class TrainLoader(OneLineDataErrors):
                                     worker_init_fn=leave_process_group,
                                     generator=torch.Generator().manual_seed(sampler.seed))
         super().__init__(loader)
-        self.sampler = sampler
+        self.sampler, self.engine = sampler, None
+
+    def bind(self, engine: Engine) -> "TrainLoader":
+        self.engine = engine
+        return self
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: this runs at the first next(), once Ignite has counted the new epoch.
+        if self.engine is not None:
+            state = self.engine.state
+            position = state.iteration - (state.epoch - 1) * state.epoch_length
+            self.sampler.load_state_dict({"epoch": state.epoch, "next_batch": position})
+        yield from super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict()

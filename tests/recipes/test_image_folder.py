@@ -7,8 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ignite.engine import Events
 from PIL import Image
+from torch import nn
 
+from engine import TrainEvents, create_trainer
 from recipes.data_order import IndexBatches
 from recipes.errors import DataError
 from recipes.image_folder import (
@@ -197,6 +200,32 @@ def test_the_loader_resumed_from_its_state_dict_yields_the_rest_exactly(tree, wo
                                           num_workers=0), 7)
         assert all(torch.equal(a[0], b[0]) for a, b in zip(in_process, uninterrupted,
                                                            strict=True))
+
+
+def test_bound_to_the_trainer_an_epoch_skipped_to_its_end_is_not_continued_in_the_next(tree):
+    """``Trainer.skip_batches`` to the epoch's end ends the epoch early: the next one
+    starts at its own first batch, not at the rest of the skipped one."""
+    samples = list_image_folders(tree).train
+    dataset = ImageFiles(samples, train_transform(8), seed=1)
+
+    def labels_seen(skip_after_step: int | None) -> list[list[int]]:
+        loader = TrainLoader(dataset, EpochBatchSampler(len(samples), 8, seed=1), num_workers=0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 3))
+        trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 nn.functional.cross_entropy,
+                                 prepare_batch=NormaliseOnDevice((0.5,) * 3, (0.25,) * 3))
+        seen: list[list[int]] = []
+        trainer.add_event_handler(Events.ITERATION_STARTED,
+                                  lambda engine: seen.append(engine.state.batch[1].tolist()))
+        if skip_after_step is not None:
+            trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP(once=skip_after_step),
+                                      lambda engine: engine.skip_batches(2))
+        trainer.run(loader.bind(trainer), max_epochs=2)
+        return seen
+
+    uninterrupted, skipped = labels_seen(None), labels_seen(1)
+    assert len(uninterrupted) == 6  # 3 batches per epoch
+    assert skipped == uninterrupted[:1] + uninterrupted[3:]
 
 
 def test_a_corrupt_image_found_by_a_worker_is_reported_in_one_line(tree):
