@@ -40,7 +40,7 @@ class Config(RunConfig):
                       ".py files (no tests, no site-packages)")
     val_fraction: float = field(0.1, "files held out for validation", min=0, max=0.5,
                                 min_exclusive=True)
-    max_train_bytes: int = field(250_000, "training text cap (bytes)", min=1)
+    max_train_bytes: int = field(1_000_000, "training text cap (bytes)", min=1)
     max_val_bytes: int = field(50_000, "validation text cap (bytes)", min=1)
     block_size: int = field(128, "context length in bytes", min=1, fixed_on_resume=True)
     n_layer: int = field(4, "transformer blocks", min=1, fixed_on_resume=True)
@@ -118,7 +118,7 @@ def build(config: Config, corpus: Corpus, ctx: Context) -> Parts:
         val_batches=OrderedBatches(val_windows, config.batch_size, rank=ctx.rank,
                                    world_size=ctx.world_size),
         forward=lambda model, batch: F.cross_entropy(*next_byte_logits(model, batch)),
-        predict=next_byte_logits, attach_extra=attach_sample,
+        predict=next_byte_logits, attach_extra=attach_sample, num_classes=256,
         # Bytes travel as uint8 (8x less to copy) and become token ids on the device.
         prepare_batch=lambda batch, device, non_blocking: batch.to(
             device, non_blocking=non_blocking).long())

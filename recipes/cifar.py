@@ -126,7 +126,7 @@ def build(config: Config, arrays: CifarArrays, ctx: Context) -> Parts:
                  train_batches=train_batches, val_batches=val_batches,
                  loss_fn=torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing),
                  predict=predict, attach_extra=attach_lookahead,
-                 before_evaluation=before_evaluation)
+                 before_evaluation=before_evaluation, num_classes=len(arrays.classes))
 
 
 def fingerprint(arrays: CifarArrays) -> dict[str, dict]:

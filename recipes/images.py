@@ -161,14 +161,16 @@ def build(config: Config, data: ImageData, ctx: Context) -> Parts:
                  loss_fn=nn.CrossEntropyLoss(label_smoothing=config.label_smoothing),
                  prepare_batch=NormaliseOnDevice(data.mean, data.std),
                  # The loader's position (sampler and workers) goes into every checkpoint.
-                 attach_extra=lambda trainer, evaluator, plan: {"train_loader": train_batches})
+                 attach_extra=lambda trainer, evaluator, plan: {"train_loader": train_batches},
+                 num_classes=len(data.folders.classes))
 
 
-def fingerprint(data: ImageData) -> dict:
+def fingerprint(data: ImageData) -> dict[str, dict]:
+    """Per split: file names, sizes and labels (the class names are in the counts)."""
     folders = data.folders
-    return {"classes": list(folders.classes), "val_source": folders.val_source,
-            "train": fingerprint_files(folders.train, folders.root, folders.classes),
-            "val": fingerprint_files(folders.val, folders.root, folders.classes)}
+    return {"training": fingerprint_files(folders.train, folders.root, folders.classes),
+            "validation": {**fingerprint_files(folders.val, folders.root, folders.classes),
+                           "source": folders.val_source}}
 
 
 RECIPE = Recipe(

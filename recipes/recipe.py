@@ -73,7 +73,8 @@ class Parts:
     ``attach_extra`` attaches the recipe's own handlers before the standard ones (so a
     checkpoint sees their work of the same step) and returns those whose state must be
     checkpointed. ``before_evaluation(final)`` runs before each evaluation; ``final`` is
-    True for the one after the last epoch.
+    True for the one after the last epoch. ``num_classes`` (classifiers) lets the start-up
+    checks test the labels' range and the first loss against ln(num_classes).
     """
 
     model: nn.Module
@@ -88,6 +89,7 @@ class Parts:
     prepare_batch: PrepareBatch = move_to_device
     attach_extra: AttachExtra | None = None
     before_evaluation: Callable[[bool], None] | None = None
+    num_classes: int | None = None  # a classifier's: the start-up checks use it
 
 
 @dataclass(frozen=True)

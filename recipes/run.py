@@ -9,6 +9,7 @@ not be written, 130/143 after Ctrl-C/SIGTERM.
 """
 
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -22,7 +23,7 @@ from typing import Any
 
 import ignite.distributed as idist
 import torch
-from ignite.engine import Engine
+from ignite.engine import Engine, Events
 
 from engine import (
     NonFiniteGradientError,
@@ -60,6 +61,8 @@ from recipes.standard_handlers import (
 from recipes.wiring import wiring_table
 
 LR_FIND_STEPS = 200  # optimizer steps of the LR range test
+OVERFIT_ITERATIONS = 200  # micro-batches of --overfit-batches
+OVERFIT_TARGET = 0.05  # "near zero": the last pass's mean loss at most this share of the first
 
 
 @dataclass
@@ -74,6 +77,8 @@ class Started:
 
 def run(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
     """Train here, in ``--nproc`` spawned processes, or as one of the processes of torchrun."""
+    if config.overfit_batches:
+        return overfit_run(recipe, config)
     if launched_by_torchrun():
         with idist.Parallel(backend=_launch(config).backend):  # joins torchrun's group
             return _join_group(recipe, config, given)
@@ -246,7 +251,8 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started
         trainer, evaluator, config, modes=recipe.metrics, best=recipe.best, plan=plan,
         run_dir=started.run_dir, run_id=started.run_id, val_batches=parts.val_batches,
         rank=ctx.rank, model=parts.model, checkpoint_meta={"data": started.fingerprint},
-        extra_state=extra, before_evaluation=parts.before_evaluation)
+        extra_state=extra, before_evaluation=parts.before_evaluation,
+        num_classes=parts.num_classes)
     return trainer, evaluator, parts, handlers
 
 
@@ -352,6 +358,28 @@ def find_lr_run(recipe: Recipe, config: RunConfig) -> int:
         if result.suggestion is not None:
             print(f"suggested peak lr: {result.suggestion:.3g} (--lr {result.suggestion:.3g})")
         print(f"wrote {plot_lr_find(result, run_dir / 'lr_find.png')}")
+    return 0
+
+
+def overfit_run(recipe: Recipe, config: RunConfig) -> int:
+    """``--overfit-batches N``: train on the first N batches over and over (about
+    ``OVERFIT_ITERATIONS`` micro-batches at the constant peak ``--lr``) and say whether the
+    loss got near zero: a model and step that cannot memorise a few batches have a bug
+    (Lightning's ``overfit_batches``). Writes nothing."""
+    if config.nproc != 1 or launched_by_torchrun():
+        raise ConfigError("--overfit-batches runs in one process: use --nproc 1")
+    _, parts, trainer = build_parts(recipe, config, recipe.load_data(config), Path("."))
+    fixed = list(itertools.islice(iter(parts.train_batches), config.overfit_batches))
+    losses: list[float] = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED,
+                              lambda engine: losses.append(float(engine.state.output["loss"])))
+    trainer.run(fixed, max_epochs=max(1, math.ceil(OVERFIT_ITERATIONS / len(fixed))))
+    first, last = losses[0], sum(losses[-len(fixed):]) / len(fixed)
+    reached = last <= OVERFIT_TARGET * first
+    print(f"overfit {len(fixed)} batch(es) for {len(losses)} iterations at lr {config.lr}: "
+          f"loss {first:.4f} -> {last:.4f} ({last / first:.1%} of the first); near zero "
+          f"(<= {OVERFIT_TARGET:.0%}): {'yes' if reached else 'no'}"
+          + ("" if reached else " (a loss with a floor, e.g. label smoothing, never is)"))
     return 0
 
 

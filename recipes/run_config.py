@@ -84,6 +84,11 @@ class RunConfig:
                                   min=1)
     keep_last: int = field(3, "history checkpoints to keep", min=1)
     progress: str = field("auto", "progress display", choices=PROGRESS)
+    checks: str = field("on", "start-up checks: NaN/Inf in the first batch, labels in range, "
+                        "first loss near ln(classes)", choices=("on", "off"))
+    overfit_batches: int = field(0, "debug: train on this many fixed batches to near-zero "
+                                 "loss and report whether it got there, instead of the run "
+                                 "(writes nothing; 0: off)", min=0)
     spike_guard: bool = field(False, "loss-spike recovery: skip a step whose loss or gradient "
                               "norm exceeds --spike-factor x their running median; after "
                               "--spike-repeat such spikes roll back, skip batches and cool the "

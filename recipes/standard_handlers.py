@@ -33,6 +33,7 @@ from handlers import (
 from handlers.graceful_stop import GracefulStop
 from handlers.history import RunHistory
 from handlers.spike_guard import SpikeAction, SpikeGuard
+from handlers.startup_checks import StartupChecks
 from handlers.weight_averaging import WeightAveraging
 from recipes.config import ConfigError
 from recipes.distributed import RankZeroSave
@@ -127,6 +128,7 @@ def attach_standard_handlers(
     checkpoint_meta: Mapping[str, Any] | None = None,
     extra_state: Mapping[str, Any] | None = None,
     before_evaluation: Callable[[bool], None] | None = None,
+    num_classes: int | None = None,
     progress_stream: TextIO | None = None,
 ) -> StandardHandlers:
     """Attach telemetry, history, early stopping, the LR schedule, evaluation, TensorBoard,
@@ -138,6 +140,8 @@ def attach_standard_handlers(
     (default: ``trainer.model``; give the unwrapped one when the trainer runs a DDP or
     compiled wrapper). ``checkpoint_meta`` is stored in every checkpoint.
     """
+    if config.checks == "on":
+        StartupChecks(num_classes).attach(trainer)
     make_scheduler = make_scheduler_factory(config, trainer, plan)
     scheduler = make_scheduler()
     telemetry = GradientTelemetry(log_every=config.log_every, layer_every=config.log_every * 10)

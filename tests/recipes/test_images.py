@@ -94,7 +94,7 @@ def test_a_run_trains_on_png_and_jpeg_of_two_sizes_and_skips_a_readme(workspace)
     run_dir = workspace / "reference"
     assert (run_dir / "summary.json").is_file() and (run_dir / "curves.png").is_file()
     log = (run_dir / "config.json").read_text()
-    assert '"count:dog": 16' in log and '"val_source": "val"' in log
+    assert '"count:dog": 16' in log and '"source": "val"' in log
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert saved["trainer"]["iteration"] == STEPS
     assert saved["train_loader"]["_snapshot"]["_main_snapshot"]["_index_sampler_state"] == {

@@ -1,0 +1,122 @@
+"""Start-up checks: cheap looks at a run's first batch and first loss, one line each.
+
+The mistakes they catch are the classic first-hour ones: NaN or Inf in the inputs, labels
+outside the classes (cross-entropy would fail with an opaque index error), and a first loss
+far from ln(number of classes), which an untrained classifier gives whatever its data (a
+double softmax, wrong labels or a bad initialisation give something else).
+"""
+
+import math
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+import torch
+from ignite.engine import Engine, Events
+
+from engine import Trainer
+
+
+class StartupCheckError(ValueError):
+    """A first batch that cannot train (labels outside the classes); the message says why."""
+
+
+class StartupChecks:
+    """Check the first batch of each session (at ``GET_BATCH_COMPLETED``) and, on a fresh
+    run, the first micro-batch's loss (at ``ITERATION_COMPLETED``); print one ``check:``
+    line per finding to ``stream`` (stdout by default). After the first iteration each
+    handler returns at once (a flag test: removing a handler while its event fires would
+    make Ignite skip the next one).
+
+    - every floating-point tensor of the batch must be finite: a warning names the
+      tensor's place in the batch and how many values are not;
+    - with ``num_classes``, integer labels (the second element of an ``(x, y)`` batch)
+      must lie in ``[0, num_classes)``: ``StartupCheckError`` otherwise, before the
+      forward pass would fail on them;
+    - with ``num_classes``, the first loss of a fresh run should be within
+      ``loss_tolerance`` (relative) of ln(num_classes); a warning otherwise. A resumed run
+      starts from trained weights, so its first loss is not checked.
+
+    The checks read the device once each, at the first iteration only.
+    """
+
+    def __init__(self, num_classes: int | None = None, loss_tolerance: float = 0.5,
+                 stream: TextIO | None = None) -> None:
+        if num_classes is not None and (isinstance(num_classes, bool)
+                                        or not isinstance(num_classes, int) or num_classes < 2):
+            raise ValueError(f"num_classes must be None or an int >= 2, got {num_classes!r}")
+        if isinstance(loss_tolerance, bool) or not isinstance(loss_tolerance, int | float) or (
+                not 0 < loss_tolerance < 1):
+            raise ValueError(f"loss_tolerance must be a number in (0, 1), got {loss_tolerance!r}")
+        self.num_classes, self.loss_tolerance, self.stream = num_classes, loss_tolerance, stream
+        self.findings: list[str] = []
+        self._fresh = True
+        self._batch_pending = self._loss_pending = False
+
+    def attach(self, trainer: Trainer) -> None:
+        trainer.add_event_handler(Events.STARTED, self._on_started)
+        trainer.add_event_handler(Events.GET_BATCH_COMPLETED, self._check_batch)
+        trainer.add_event_handler(Events.ITERATION_COMPLETED, self._check_loss)
+
+    def _on_started(self, trainer: Engine) -> None:
+        self._fresh = trainer.state.iteration == 0
+        self._batch_pending = self._loss_pending = True
+
+    def _say(self, line: str) -> None:
+        self.findings.append(line)
+        print(f"check: {line}", file=self.stream or sys.stdout, flush=True)
+
+    def _check_batch(self, trainer: Engine) -> None:
+        if not self._batch_pending:
+            return
+        self._batch_pending = False
+        batch = trainer.state.batch
+        for place, tensor in _tensors(batch):
+            if tensor.is_floating_point():
+                bad = int((~torch.isfinite(tensor)).sum())
+                if bad:
+                    self._say(f"the first batch holds {bad} NaN/Inf value(s) in {place} "
+                              f"{tuple(tensor.shape)}: every step on it would be skipped")
+        labels = _labels(batch)
+        if self.num_classes is not None and labels is not None and labels.numel():
+            low, high = int(labels.min()), int(labels.max())
+            if low < 0 or high >= self.num_classes:
+                raise StartupCheckError(
+                    f"labels of the first batch range over [{low}, {high}] but the model has "
+                    f"{self.num_classes} classes: labels must lie in [0, {self.num_classes})")
+
+    def _check_loss(self, trainer: Engine) -> None:
+        if not self._loss_pending:
+            return
+        self._loss_pending = False
+        if self.num_classes is None or not self._fresh:
+            return
+        loss = float(trainer.state.output["loss"])
+        expected = math.log(self.num_classes)
+        if not math.isfinite(loss):
+            self._say(f"the first loss is {loss}: the model or the data produce NaN/Inf")
+        elif abs(loss / expected - 1) > self.loss_tolerance:
+            self._say(f"the first loss {loss:.3f} is far from ln({self.num_classes}) = "
+                      f"{expected:.3f}, what an untrained classifier gives: a softmax applied "
+                      "twice, wrong labels or a large initialisation?")
+        else:
+            self._say(f"first loss {loss:.3f}, near ln({self.num_classes}) = {expected:.3f}: ok")
+
+
+def _tensors(batch: Any, place: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(batch, torch.Tensor):
+        yield place, batch
+    elif isinstance(batch, list | tuple):
+        for index, item in enumerate(batch):
+            yield from _tensors(item, f"{place}[{index}]")
+    elif isinstance(batch, dict):
+        for key, item in batch.items():
+            yield from _tensors(item, f"{place}[{key!r}]")
+
+
+def _labels(batch: Any) -> torch.Tensor | None:
+    """The integer ``y`` of an ``(x, y)`` batch, else None."""
+    if isinstance(batch, list | tuple) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
+        labels = batch[1]
+        return None if labels.is_floating_point() else labels
+    return None
