@@ -190,3 +190,27 @@ def test_describe_prints_each_event_with_its_handlers_in_order_and_writes_nothin
     evaluate = epoch_end.index("attach_standard_handlers.evaluate")
     assert evaluate < epoch_end.index("RankZeroSave(Checkpointer.save_last)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
+
+
+# --- start-up checks and --overfit-batches ------------------------------------------------
+
+
+def test_overfit_batches_reports_near_zero_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    text = write_text(tmp_path / "corpus.txt")
+    monkeypatch.chdir(tmp_path)
+    code = main([*CHARLM, "--text", str(text), "--lr", "0.02",
+                 "--overfit-batches", "1"])
+    out = capsys.readouterr().out
+    assert code == 0 and "overfit 1 batch(es) for 200 iterations" in out
+    assert "near zero (<= 5%): yes" in out
+    assert [path.name for path in tmp_path.iterdir()] == ["corpus.txt"]
+
+
+def test_start_up_checks_print_one_line_and_can_be_turned_off(tmp_path, capsys):
+    text = write_text(tmp_path / "corpus.txt")
+    run = [*CHARLM, "--text", str(text), "--epochs", "1"]
+    assert main([*run, "--run-dir", str(tmp_path / "on")]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check:")]
+    assert lines == [line for line in lines if "near ln(256) = 5.545: ok" in line] and lines
+    assert main([*run, "--run-dir", str(tmp_path / "off"), "--checks", "off"]) == 0
+    assert "check:" not in capsys.readouterr().out
