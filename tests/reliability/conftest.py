@@ -5,7 +5,7 @@ Every guarantee is checked for every recipe: the session fixture ``recipe_case``
 whole suite once per recipe in ``RECIPE_CASES``, each as a tiny job of the same shape
 (``RUN_ARGS``: 8 iterations per epoch, 3 epochs, a step-clocked OneCycle schedule, a
 checkpoint every 3 optimizer steps) on data the test makes (CIFAR: synthetic images;
-charlm: one generated text file), through ``run_recipe.py``, which is
+charlm: one generated text file; images: a tree of tiny PNGs), through ``run_recipe.py``, which is
 ``python -m recipes`` plus test-only faults. The child
 runs with one intra-op thread: on this 2-core shared machine a second thread only
 spin-waits (a run took 35 s with two threads, 10 s with one), and the uninterrupted
@@ -30,6 +30,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.util.tensor_util import make_ndarray
+from torchvision.io import write_png
 
 from handlers.checkpoint import read_checkpoint
 
@@ -84,7 +85,25 @@ def _charlm_case(data_dir: Path) -> RecipeCase:
                       {"block-size": "16", "n-embd": "32", "weight-decay": "0"})
 
 
-RECIPE_CASES = {"cifar": _cifar_case, "charlm": _charlm_case}
+def _images_case(data_dir: Path) -> RecipeCase:
+    """An image-folder tree of 8 px PNGs, two classes in their own colour ranges: 128 + 128
+    training images (8 batches of 32), 32 + 32 validation images; one DataLoader worker, so
+    the loader's checkpointed position covers a worker process."""
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", 128), ("val", 32)):
+        for label, name in enumerate(("dark", "light")):
+            folder = data_dir / split / name
+            folder.mkdir(parents=True)
+            for index in range(count):
+                pixels = torch.randint(0, 100, (3, 8, 8), dtype=torch.uint8,
+                                       generator=generator) + 120 * label
+                write_png(pixels, str(folder / f"{index:03d}.png"))
+    return RecipeCase("images", ("--data-dir", str(data_dir), "--model", "squeezenet1_1",
+                                 "--num-workers", "1"),
+                      {"model": "resnet18", "num-workers": "2"})
+
+
+RECIPE_CASES = {"cifar": _cifar_case, "charlm": _charlm_case, "images": _images_case}
 RUN_TIMEOUT_SEC = 300  # a run takes ~10 s; generous for a loaded machine
 FAULT_VARIABLES = ("RELIABILITY_", "CKPT_TEST_")
 # Entries of a final checkpoint that legitimately differ between two runs of the same job:
