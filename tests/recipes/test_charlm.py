@@ -5,7 +5,6 @@ Runs go through ``python -m recipes charlm`` in a subprocess (cwd = a temporary 
 """
 
 import json
-import logging
 import math
 import subprocess
 import sys
@@ -26,15 +25,6 @@ CLI_TIMEOUT_SEC = 300  # a hung run fails its test instead of hanging the suite
 TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
               "--batch-size", "8"]
 TINY_RUN = [*TINY_MODEL, "--epochs", "2", "--progress", "off", "--device", "cpu"]
-
-
-@pytest.fixture(autouse=True)
-def keep_ignite_log_level():
-    """``main`` quiets Ignite's engine logger for the process; other test files log with it."""
-    engine_logger = logging.getLogger("ignite.engine.engine")
-    level = engine_logger.level
-    yield
-    engine_logger.setLevel(level)
 
 
 def write_text_folder(root: Path, n_files: int = 20, lines_per_file: int = 6) -> Path:

@@ -10,7 +10,6 @@ import dataclasses
 import errno
 import hashlib
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -46,15 +45,6 @@ RESUMABLE = ["--dataset", "synthetic", "--train-subset", "128", "--val-subset", 
 TAGS = ["train/loss", "train/lr", "train/grad_norm", "train/grad_norm_clipped",
         "train/clip_fraction", "train/skipped_steps", "val/loss", "val/accuracy",
         "perf/samples_per_sec", "perf/epoch_time_sec"]
-
-
-@pytest.fixture(autouse=True)
-def keep_ignite_log_level():
-    """``main`` quiets Ignite's engine logger for the process; other test files log with it."""
-    engine_logger = logging.getLogger("ignite.engine.engine")
-    level = engine_logger.level
-    yield
-    engine_logger.setLevel(level)
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -477,3 +467,25 @@ def test_on_cuda_a_killed_run_resumes_bit_identical(precision, tmp_path):
     assert "iteration 2, step 2)" in resumed.stdout
     assert_bit_identical(final_weights(tmp_path / "runs" / "cifar" / "killed"),
                          final_weights(full_dir))
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ("add", "training samples 40 -> 41; class 'class3' 4 -> 5 samples"),
+    ("edit", "training images differ"),
+])
+def test_a_resume_on_changed_cifar_images_is_refused_naming_the_change(change, named, tmp_path,
+                                                                       capsys):
+    data = tmp_path / "images"
+    write_image_folders(data)  # 4 training images per class
+    run = ["cifar", "--data-dir", str(data), "--batch-size", "8", "--tta", "none",
+           "--final-tta", "none", "--progress", "off", "--device", "cpu",
+           "--run-dir", str(tmp_path / "run")]
+    assert main([*run, "--epochs", "1"]) == 0
+    image = torch.full((3, 32, 32), 7, dtype=torch.uint8)
+    target = data / "train" / "class3" / ("extra.jpg" if change == "add" else "0.jpg")
+    target.write_bytes(encode_jpeg(image).numpy().tobytes())
+    capsys.readouterr()
+
+    expect_one_error_line(main([*run, "--epochs", "2"]), capsys.readouterr().err, [named])
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["config"]["epochs"] == 1  # the refused start wrote nothing

@@ -4,11 +4,9 @@ training batches that resume exactly mid-epoch with and without worker processes
 import io
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from ignite.engine import Events
-from PIL import Image
 from torch import nn
 
 from engine import TrainEvents, create_trainer
@@ -31,44 +29,25 @@ from recipes.image_folder import (
 # The filter in recipes.image_folder is reset by pytest's own warning capture.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
-CLASSES = ("cat", "dog", "eel")
-
-
-def make_tree(root: Path, per_class: dict[str, int], classes=CLASSES) -> Path:
-    """``root/<split>/<class>/NNN.{png,jpg}``: 8 and 12 px images alternately, PNG and JPEG,
-    each class its own colour range (so a model can learn them)."""
-    rng = np.random.default_rng(0)
-    for split, count in per_class.items():
-        for label, name in enumerate(classes):
-            folder = root / split / name
-            folder.mkdir(parents=True, exist_ok=True)
-            for index in range(count):
-                side = 8 if index % 2 else 12
-                pixels = rng.integers(0, 80, (side, side, 3)) + 80 * label
-                suffix = "png" if index % 3 else "jpg"
-                Image.fromarray(pixels.astype(np.uint8)).save(folder / f"{index:03d}.{suffix}")
-    return root
-
-
 @pytest.fixture
-def tree(tmp_path) -> Path:
-    return make_tree(tmp_path / "tree", {"train": 8, "val": 2})
+def tree(tmp_path, make_image_tree) -> Path:
+    return make_image_tree(tmp_path / "tree", {"train": 8, "val": 2})
 
 
 def test_listing_labels_files_by_sorted_class_and_skips_non_images(tree):
     (tree / "train" / "dog" / "README.md").write_text("not an image")
     (tree / "train" / "dog" / ".DS_Store").write_text("hidden: ignored")
     folders = list_image_folders(tree)
-    assert folders.classes == list(CLASSES) and folders.val_source == "val"
+    assert folders.classes == ["cat", "dog", "eel"] and folders.val_source == "val"
     assert len(folders.train) == 24 and len(folders.val) == 6
     assert [label for _, label in folders.train] == [0] * 8 + [1] * 8 + [2] * 8
     assert folders.train[8][0] == str(tree / "train" / "dog" / "000.jpg")
     assert folders.skipped == [str(tree / "train" / "dog" / "README.md")]
 
 
-def test_test_folder_serves_as_validation_and_may_lack_a_class(tmp_path):
-    tree = make_tree(tmp_path, {"train": 2})
-    make_tree(tmp_path, {"test": 1}, classes=("cat", "dog"))
+def test_test_folder_serves_as_validation_and_may_lack_a_class(tmp_path, make_image_tree):
+    tree = make_image_tree(tmp_path, {"train": 2})
+    make_image_tree(tmp_path, {"test": 1}, classes=("cat", "dog"))
     folders = list_image_folders(tree)
     assert folders.val_source == "test" and [label for _, label in folders.val] == [0, 1]
 
@@ -91,8 +70,8 @@ def test_bad_trees_raise_a_data_error_saying_what_is_wrong(tree, breakage, messa
         list_image_folders(tree)
 
 
-def test_hold_out_takes_the_same_files_from_every_class_each_time(tmp_path):
-    tree = make_tree(tmp_path, {"train": 10})
+def test_hold_out_takes_the_same_files_from_every_class_each_time(tmp_path, make_image_tree):
+    tree = make_image_tree(tmp_path, {"train": 10})
     folders = list_image_folders(tree, val_fraction=0.2)
     assert folders.val_source == "train (0.2 held out)"
     assert [label for _, label in folders.val] == [0, 0, 1, 1, 2, 2]

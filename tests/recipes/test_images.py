@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -38,22 +37,6 @@ RUN = ["--model", "squeezenet1_1", "--batch-size", "8", "--epochs", "3", "--lr",
 STEPS = 18
 
 
-def make_tree(root: Path, per_class: dict[str, int]) -> Path:
-    """``root/<split>/<class>/NNN.{png,jpg}``: 8 and 12 px images alternately, PNG and JPEG,
-    each class in its own colour range."""
-    rng = np.random.default_rng(0)
-    for split, count in per_class.items():
-        for label, name in enumerate(CLASSES):
-            folder = root / split / name
-            folder.mkdir(parents=True, exist_ok=True)
-            for index in range(count):
-                side = 8 if index % 2 else 12
-                pixels = rng.integers(0, 80, (side, side, 3)) + 80 * label
-                suffix = "png" if index % 3 else "jpg"
-                Image.fromarray(pixels.astype(np.uint8)).save(folder / f"{index:03d}.{suffix}")
-    return root
-
-
 def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "recipes", "images", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=TIMEOUT_SEC)
@@ -70,10 +53,10 @@ def assert_same_weights(run_dir: Path, reference: dict[str, torch.Tensor]) -> No
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> Path:
+def workspace(tmp_path_factory, make_image_tree_once) -> Path:
     """A tree (with a README to skip) and an uninterrupted reference run with 2 workers."""
     folder = tmp_path_factory.mktemp("images")
-    make_tree(folder / "tree", {"train": 16, "val": 2})
+    make_image_tree_once(folder / "tree", {"train": 16, "val": 2})
     (folder / "tree" / "train" / "dog" / "README.md").write_text("not an image")
     reference = run_cli(["--data-dir", "tree", "--num-workers", "2", "--run-dir", "reference",
                          *RUN], folder)
@@ -141,8 +124,9 @@ def _break(tree: Path, how: str) -> None:
     ("missing folder", "--data-dir nowhere is not a folder"),
 ])
 def test_bad_trees_exit_2_with_one_line_and_write_nothing(how, message, tmp_path, monkeypatch,
-                                                          capsys, quiet_ignite_logger):
-    make_tree(tmp_path / "tree", {"train": 2, "val": 1})
+                                                          capsys, quiet_ignite_logger,
+                                                          make_image_tree):
+    make_image_tree(tmp_path / "tree", {"train": 2, "val": 1})
     _break(tmp_path / "tree", how)
     monkeypatch.chdir(tmp_path)
     data_dir = "nowhere" if how == "missing folder" else "tree"
@@ -162,10 +146,10 @@ def test_no_shared_cifar_folders_exit_2_saying_what_layout_is_expected(
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_corrupt_image_met_by_a_worker_names_its_file_in_one_line(tmp_path):
+def test_a_corrupt_image_met_by_a_worker_names_its_file_in_one_line(tmp_path, make_image_tree):
     """With ImageNet's statistics nothing decodes the files before training: the worker
     that meets the broken one reports it."""
-    make_tree(tmp_path / "tree", {"train": 4, "val": 1})
+    make_image_tree(tmp_path / "tree", {"train": 4, "val": 1})
     (tmp_path / "tree" / "train" / "eel" / "001.png").write_bytes(b"garbage")
     result = run_cli(["--data-dir", "tree", "--normalize", "imagenet", "--num-workers", "2",
                       "--batch-size", "4", "--epochs", "1", "--model", "squeezenet1_1",

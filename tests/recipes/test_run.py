@@ -1,7 +1,6 @@
 """The run layer end to end on tiny data: one writer per run folder, a resume that knows its
 data, ``--describe``, and recipes found by name or path."""
 
-import json
 import os
 import signal
 import subprocess
@@ -9,9 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
-from torchvision.io import encode_jpeg
 
 from recipes.__main__ import main
 from recipes.registry import find_recipes, load_recipe
@@ -132,40 +129,6 @@ def test_a_resume_on_changed_text_is_refused_then_allowed_with_the_override(tmp_
 
     assert main([*run, "--epochs", "2", "--allow-data-change", "true"]) == 0
     assert "override: data changed" in capsys.readouterr().out
-
-
-def write_image_folders(root: Path) -> None:
-    generator = torch.Generator().manual_seed(0)
-    for split, count in (("train", 4), ("test", 2)):
-        for label in range(10):
-            folder = root / split / f"class{label}"
-            folder.mkdir(parents=True)
-            for index in range(count):
-                image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=generator)
-                (folder / f"{index}.jpg").write_bytes(encode_jpeg(image).numpy().tobytes())
-
-
-@pytest.mark.filterwarnings("ignore:The image decoding and encoding:DeprecationWarning")
-@pytest.mark.parametrize(("change", "named"), [
-    ("add", "training samples 40 -> 41; class 'class3' 4 -> 5 samples"),
-    ("edit", "training images differ"),
-])
-def test_a_resume_on_changed_cifar_images_is_refused_naming_the_change(change, named, tmp_path,
-                                                                       capsys):
-    data = tmp_path / "images"
-    write_image_folders(data)
-    run = ["cifar", "--data-dir", str(data), "--batch-size", "8", "--tta", "none",
-           "--final-tta", "none", "--progress", "off", "--device", "cpu",
-           "--run-dir", str(tmp_path / "run")]
-    assert main([*run, "--epochs", "1"]) == 0
-    image = torch.full((3, 32, 32), 7, dtype=torch.uint8)
-    target = data / "train" / "class3" / ("extra.jpg" if change == "add" else "0.jpg")
-    target.write_bytes(encode_jpeg(image).numpy().tobytes())
-    capsys.readouterr()
-
-    one_error_line(main([*run, "--epochs", "2"]), capsys.readouterr().err, named)
-    saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert saved["config"]["epochs"] == 1  # the refused start wrote nothing
 
 
 # --- --describe ---------------------------------------------------------------------------
