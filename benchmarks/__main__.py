@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import data, epoch, gpu, overhead, syncs
+from benchmarks import data, epoch, gpu, image_loader, overhead, syncs
 from benchmarks.machine import describe_machine, load_average
 from benchmarks.plan import FULL, QUICK
 from benchmarks.report import document
@@ -57,15 +57,15 @@ def main(argv: list[str]) -> int:
         print(f"[{time.perf_counter() - started:7.1f}s] {line}", file=sys.stderr, flush=True)
 
     log(f"plan {plan.name}, {threads} threads, report -> {out}")
-    log("1/5 engine overhead: tiny model")
+    log("1/6 engine overhead: tiny model")
     tiny = overhead.measure(tiny_workload(plan.tiny_warmup, plan.tiny_timed),
                             plan.tiny_repeats, threads, log=log)
-    log("1/5 engine overhead: CIFAR default model")
+    log("1/6 engine overhead: CIFAR default model")
     cifar = overhead.measure(
         cifar_workload(plan.cifar_warmup, plan.cifar_timed, plan.cifar_batch),
         plan.cifar_repeats, threads, log=log)
 
-    log("2/5 host syncs")
+    log("2/6 host syncs")
     config = Config()
     recipe_iterations = config.log_every * 10 + config.log_every // 2  # one layer-norm report
     with tempfile.TemporaryDirectory(prefix="bench-syncs-") as run_dir:
@@ -77,19 +77,28 @@ def main(argv: list[str]) -> int:
             syncs.ignite_stock(tiny_workload(0, SYNC_STEP_ITERATIONS)),
         ]
 
-    log("4/5 epoch time (also the data-wait share for section 3)")
+    log("4/6 epoch time (also the data-wait share for section 3)")
     epochs = epoch.measure(plan.epoch_batch, plan.epoch_warmup, plan.epoch_timed,
                            plan.epoch_eval_images, plan.epoch_repeats, plan.epoch_train_images,
                            log=log)
-    log("3/5 data pipelines")
+    log("3/6 data pipelines")
     source = epoch.synthetic_images(plan.data_batch * (plan.data_timed + 1))
     pipelines = data.measure(*source, plan.data_batch, plan.data_timed, plan.data_repeats, log=log)
 
     gpu_skipped = gpu.skip_reason()
-    log(f"5/5 GPU: {gpu_skipped or 'measuring'}")
+    log(f"5/6 GPU: {gpu_skipped or 'measuring'}")
     gpu_rows = ([] if gpu_skipped else
                 gpu.measure(plan.gpu_warmup, plan.gpu_timed, plan.gpu_repeats))
 
+    if image_loader.SHARED_CIFAR.is_dir():
+        log("6/6 image-folder data path")
+        images_section = image_loader.render(
+            image_loader.measure(image_loader.SHARED_CIFAR,
+                                 image_loader.QUICK if args.quick else image_loader.FULL, log),
+            image_loader.SHARED_CIFAR)
+    else:
+        images_section = (f"## Image-folder data path\n\nUnmeasured: no CIFAR-10 JPEG folders "
+                          f"at `{image_loader.SHARED_CIFAR}`.")
     cifar_note = ("Synthetic CIFAR-shaped images (`make_synthetic`), cropped, flipped and "
                   "normalised by `TrainBatches` before timing, held in memory.")
     sections = [
@@ -98,6 +107,7 @@ def main(argv: list[str]) -> int:
         data.render(pipelines, epochs.fetch_shares(), threads),
         epoch.render(epochs),
         gpu.render(gpu_rows, gpu_skipped),
+        images_section,
     ]
     wall = time.perf_counter() - started
     command = shlex.join(["python", "-m", "benchmarks", *argv])
