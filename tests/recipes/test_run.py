@@ -1,6 +1,7 @@
 """The run layer end to end on tiny data: one writer per run folder, a resume that knows its
 data, ``--describe``, and recipes found by name or path."""
 
+import json
 import os
 import signal
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from recipes.__main__ import main
@@ -177,3 +179,37 @@ def test_start_up_checks_print_one_line_and_can_be_turned_off(tmp_path, capsys):
     assert lines == [line for line in lines if "near ln(256) = 5.545: ok" in line] and lines
     assert main([*run, "--run-dir", str(tmp_path / "off"), "--checks", "off"]) == 0
     assert "check:" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_under_nproc_2_the_parent_holds_the_lock_for_the_whole_group(tmp_path):
+    """While the two ranks run (held with SIGSTOP once both exist), a second start is refused
+    naming the spawning parent, which holds the lock for the group; the ranks take none
+    (they would refuse each other), and the group then finishes."""
+    text = write_text(tmp_path / "corpus.txt", words=3000)
+    command = [sys.executable, "-m", "recipes", *CHARLM, "--text", str(text), "--epochs", "1",
+               "--nproc", "2", "--run-dir", str(tmp_path / "run")]
+    group = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + TIMEOUT_SEC
+    while len(_descendants(group.pid)) < 2 or not (tmp_path / "run" / "config.json").exists():
+        assert group.poll() is None and time.monotonic() < deadline, group.communicate()
+        time.sleep(0.05)
+    for pid in _descendants(group.pid):
+        os.kill(pid, signal.SIGSTOP)
+
+    second = subprocess.run([*command[:-2], "--run-dir", str(tmp_path / "run")], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=TIMEOUT_SEC)
+    assert second.returncode == 2 and f"in use by process {group.pid} " in second.stderr
+
+    for pid in _descendants(group.pid):
+        os.kill(pid, signal.SIGCONT)
+    _, err = group.communicate(timeout=TIMEOUT_SEC)
+    assert group.returncode == 0, err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
+
+
+def _descendants(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    found = [int(child) for child in children.read_text().split()] if children.exists() else []
+    return found + [grandchild for child in found for grandchild in _descendants(child)]
