@@ -331,6 +331,13 @@ class TrainLoader(OneLineDataErrors):
             state = self.engine.state
             position = state.iteration - (state.epoch - 1) * state.epoch_length
             self.sampler.load_state_dict({"epoch": state.epoch, "next_batch": position})
+            if position == 0:
+                # An epoch starts afresh, as in an uninterrupted run: a loader state loaded
+                # at an epoch's end would carry its step counters on into this one, and
+                # each new iterator draws the same base seed (with 0 workers every epoch
+                # makes one; persistent workers keep theirs).
+                self.loader.next_iter_state = None
+                self.loader.generator.manual_seed(self.sampler.seed)
         yield from super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:

@@ -53,11 +53,12 @@ def test_overrides_that_fit_are_logged_applied_and_leave_training_identical(
 def test_new_lr_and_epochs_follow_the_schedule_of_a_fresh_run_with_them(
         interrupted_run, harness, tmp_path):
     run_dir = harness.copy_run(interrupted_run, tmp_path / "run")  # resumes at step 15
+    old_lr = json.loads((run_dir / "config.json").read_text())["config"]["lr"]
     changed = ("--lr", "0.2", "--epochs", "4")
     resumed = harness.run_recipe(run_dir, *changed)
     assert resumed.returncode == 0, resumed.stderr
     lines = resumed.stdout.splitlines()
-    assert "override: lr 0.375 -> 0.2" in lines and "override: epochs 3 -> 4" in lines
+    assert f"override: lr {old_lr!r} -> 0.2" in lines and "override: epochs 3 -> 4" in lines
     fresh_dir = tmp_path / "fresh"
     assert harness.run_recipe(fresh_dir, *changed).returncode == 0
 
