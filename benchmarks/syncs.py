@@ -152,7 +152,9 @@ def with_recipe_handlers(workload: Workload, run_dir: Path, config: Config) -> S
     log_every, layer_every = config.log_every, config.log_every * 10
     iterations = range(1, len(workload.batches) + 1)
     categories = {
-        "between log intervals": [i for i in iterations if i % log_every],
+        # The start-up checks read the first batch and loss once, by design.
+        "first iteration (start-up checks)": [1],
+        "between log intervals": [i for i in iterations if i % log_every and i > 1],
         f"at a log interval (every {log_every} steps)":
             [i for i in iterations if i % log_every == 0 and i % layer_every],
         f"at a layer-norm interval (every {layer_every} steps)":
