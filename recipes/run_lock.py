@@ -4,7 +4,10 @@
         train()
 
 The lock is the ``flock`` itself, which the kernel drops when the holder's file is
-closed, so a process killed with ``kill -9`` never leaves a stale lock behind. The PID
+closed, so a process killed with ``kill -9`` never leaves a stale lock behind. A forked
+child (a DataLoader worker) would share that open file, and with it the lock, for as long
+as it outlives its parent: each child closes its copy as it starts (``os.register_at_fork``),
+so only the process that took the lock holds it. The PID
 and host written into the file only serve the message a second writer gets.
 
 Under ``--nproc`` spawning, take the lock in the parent before spawning and release it
@@ -20,6 +23,7 @@ from types import TracebackType
 from recipes.config import ConfigError
 
 LOCK_NAME = ".lock"
+_HELD: set["RunLock"] = set()  # the locks this process holds, until released
 
 
 class RunLock:
@@ -59,6 +63,7 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
+        _HELD.add(self)
 
     def release(self) -> None:
         """Drop the lock; a no-op when not held. The file stays: deleting it would let a
@@ -66,6 +71,7 @@ class RunLock:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        _HELD.discard(self)
         try:
             os.ftruncate(fd, 0)  # still ours until the close: no stale holder in the file
         finally:
@@ -82,6 +88,18 @@ class RunLock:
         traceback: TracebackType | None,
     ) -> None:
         self.release()
+
+
+def _let_go_in_child() -> None:
+    """In a freshly forked child: close its copies of the held lock files."""
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 def _read_holder(fd: int) -> str:

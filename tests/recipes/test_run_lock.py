@@ -87,6 +87,37 @@ def test_a_holder_killed_with_sigkill_leaves_no_stale_lock(tmp_path, holder):
         assert lock.held
 
 
+FORKING_HOLDER = """
+import os, sys, time
+from recipes.run_lock import RunLock
+RunLock(sys.argv[1]).acquire()
+child = os.fork()  # as a DataLoader forks its workers
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_forked_child_of_a_killed_holder_does_not_keep_the_lock(tmp_path):
+    """A DataLoader worker forked by the run outlives a kill -9 of the run for a few
+    seconds: the immediate rerun must still get the lock."""
+    holder = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER, str(tmp_path / "run")],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        assert try_from_another_process(tmp_path / "run").returncode == 2
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        os.kill(child, 0)  # the forked child is still alive
+        with RunLock(tmp_path / "run") as lock:
+            assert lock.held
+    finally:
+        holder.kill()
+        os.kill(child, signal.SIGKILL)
+
+
 def test_the_lock_file_is_not_inherited_by_executed_programs(tmp_path):
     with RunLock(tmp_path / "run") as lock:
         assert fcntl.fcntl(lock._fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
