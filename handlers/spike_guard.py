@@ -55,6 +55,7 @@ import torch
 from ignite.engine import Events
 
 from engine import Trainer, TrainEvents
+from handlers.arguments import check_int
 
 WATCHABLE = ("loss", "grad_norm")
 
@@ -74,11 +75,6 @@ class SpikeAction:
     iteration: int
     message: str
     counts: dict[str, float]
-
-
-def _check_int(name: str, value: Any, lowest: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-        raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
 
 
 def _check_number(name: str, value: Any, low: float, high: float) -> None:
@@ -119,21 +115,21 @@ class SpikeGuard:
         quiet: bool = False,
     ) -> None:
         _check_number("factor", factor, 1.0, math.inf)
-        _check_int("history", history, 1)
-        _check_int("min_history", min_history, 1)
+        check_int("history", history, 1)
+        check_int("min_history", min_history, 1)
         if min_history > history:
             raise ValueError(f"min_history ({min_history}) must be <= history ({history})")
         if (not isinstance(watch, tuple | list) or not watch or len(set(watch)) != len(watch)
                 or not set(watch) <= set(WATCHABLE)):
             raise ValueError(f"watch must name some of {WATCHABLE}, each once, got {watch!r}")
-        _check_int("repeat", repeat, 1)
-        _check_int("repeat_window", repeat_window, 1)
-        _check_int("snapshot_every", snapshot_every, 1)
-        _check_int("skip_batches", skip_batches, 0)
+        check_int("repeat", repeat, 1)
+        check_int("repeat_window", repeat_window, 1)
+        check_int("snapshot_every", snapshot_every, 1)
+        check_int("skip_batches", skip_batches, 0)
         if cooldown_factor != 1.0:
             _check_number("cooldown_factor", cooldown_factor, 0.0, 1.0)
-        _check_int("cooldown_steps", cooldown_steps, 0)
-        _check_int("max_rollbacks", max_rollbacks, 0)
+        check_int("cooldown_steps", cooldown_steps, 0)
+        check_int("max_rollbacks", max_rollbacks, 0)
         if not isinstance(quiet, bool):
             raise ValueError(f"quiet must be True or False, got {quiet!r}")
         self.factor, self.history, self.min_history = float(factor), history, min_history

@@ -36,15 +36,11 @@ from torch.optim.swa_utils import update_bn
 
 from engine import RngState, Trainer, TrainEvents
 from engine.batch import move_to_device
+from handlers.arguments import check_int
 
 MODES = ("ema", "swa")
 
 BnBatches = Iterable[Any] | Callable[[], Iterable[Any]]
-
-
-def _check_int(name: str, value: Any, lowest: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-        raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
 
 
 def _only_for(name: str, value: Any, allowed: bool, where: str) -> None:
@@ -126,11 +122,11 @@ class WeightAveraging:
         if not isinstance(warmup, bool):
             raise ValueError(f"warmup must be True or False, got {warmup!r}")
         if step_clock:
-            _check_int("every_steps", every_steps, 1)
+            check_int("every_steps", every_steps, 1)
         start_step = 0 if start_step is None else start_step
-        _check_int("start_step", start_step, 0)
+        check_int("start_step", start_step, 0)
         start_epoch = 1 if start_epoch is None else start_epoch
-        _check_int("start_epoch", start_epoch, 1)
+        check_int("start_epoch", start_epoch, 1)
         has_bn = any(isinstance(module, _BatchNorm) for module in model.modules())
         if not ema and has_bn and bn_batches is None:
             raise ValueError(

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import torch
 from ignite.engine import Engine
 
-from recipes.data_order import EpochPosition, check_int, check_rank, epoch_order, mix_seed
+from handlers.arguments import check_int
+from recipes.data_order import EpochPosition, check_rank, epoch_order, mix_seed
 
 # Per-channel statistics of the CIFAR-10 training set, on the 0-1 pixel scale.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)

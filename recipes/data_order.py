@@ -16,6 +16,8 @@ import torch
 from ignite.engine import Engine
 from torch.utils.data import default_collate
 
+from handlers.arguments import check_int
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -37,11 +39,6 @@ def epoch_order(n: int, seed: int, epoch: int, device: str | torch.device = "cpu
     """The permutation of ``range(n)`` used in ``epoch`` (1-based)."""
     generator = torch.Generator(device).manual_seed(mix_seed(seed, epoch))
     return torch.randperm(n, generator=generator, device=device)
-
-
-def check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def check_rank(rank: int, world_size: int) -> None:

@@ -28,7 +28,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision.transforms import v2
 
 from engine.batch import move_to_device
-from recipes.data_order import check_int, check_rank, epoch_order, mix_seed
+from handlers.arguments import check_int
+from recipes.data_order import check_rank, epoch_order, mix_seed
 from recipes.errors import DataError
 
 # Read with Pillow; any other file in a class folder (a README, a .csv) is skipped.
