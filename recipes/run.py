@@ -392,7 +392,5 @@ def describe_run(recipe: Recipe, config: RunConfig) -> str:
         trainer, evaluator, _, handlers = build_run(recipe, config, started)
         handlers.stop.restore()
         text = wiring_table({"trainer": trainer, "evaluator": evaluator})
-        for handler in handlers.checkpointer.to_save.values():
-            if hasattr(handler, "close") and hasattr(handler, "writer"):
-                handler.close()  # TensorBoard's writer, before its folder goes
+        handlers.checkpointer.to_save["tensorboard"].close()  # before its folder goes
     return text
