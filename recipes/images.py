@@ -160,8 +160,6 @@ def build(config: Config, data: ImageData, ctx: Context) -> Parts:
                  train_batches=train_batches, val_batches=val_batches,
                  loss_fn=nn.CrossEntropyLoss(label_smoothing=config.label_smoothing),
                  prepare_batch=NormaliseOnDevice(data.mean, data.std),
-                 # The loader's position (sampler and workers) goes into every checkpoint.
-                 attach_extra=lambda trainer, evaluator, plan: {"train_loader": train_batches},
                  num_classes=len(data.folders.classes))
 
 

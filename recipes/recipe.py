@@ -69,7 +69,8 @@ class Parts:
     ``model`` is the module that is checkpointed (its ``state_dict`` keys are the
     checkpoint's); ``train_model`` is what the step calls, e.g. a DDP or compiled wrapper
     around it (default: ``model``). ``train_batches`` must be sized and, for an exact
-    mid-epoch resume, have ``bind(engine)`` (see ``recipes.data_order``).
+    mid-epoch resume, have ``bind(engine)`` (see ``recipes.data_order``); if they have a
+    ``state_dict`` (a ``StatefulDataLoader``'s workers and sampler), it is checkpointed.
     ``attach_extra`` attaches the recipe's own handlers before the standard ones (so a
     checkpoint sees their work of the same step) and returns those whose state must be
     checkpointed. ``before_evaluation(final)`` runs before each evaluation; ``final`` is

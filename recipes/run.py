@@ -54,6 +54,7 @@ from recipes.run_config import RunConfig
 from recipes.run_folder import read_saved_config, resolve_run_dir, write_json_atomic
 from recipes.run_lock import RunLock
 from recipes.standard_handlers import (
+    TRAIN_DATA,
     StandardHandlers,
     attach_standard_handlers,
     attach_weight_averaging,
@@ -241,6 +242,8 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started
     plan = RunPlan(optimizer_steps_per_epoch(len(parts.train_batches), config.accum_steps),
                    config.epochs)
     extra = dict(parts.attach_extra(trainer, evaluator, plan) if parts.attach_extra else {})
+    if hasattr(parts.train_batches, "state_dict"):  # a loader's position (workers, sampler)
+        extra[TRAIN_DATA] = parts.train_batches
     if config.averaging != "none":
         replay = getattr(parts.train_batches, "epoch_batches", None)
         extra["averaging"] = attach_weight_averaging(

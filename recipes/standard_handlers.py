@@ -106,10 +106,14 @@ def attach_weight_averaging(config: RunConfig, model: nn.Module, trainer: Traine
     return averaging
 
 
-# Entries of to_save a spike guard's rollback leaves alone: the trainer (the guard moves it
-# itself), the guard, and the records of what happened.
-NOT_ROLLED_BACK = ("trainer", "spike_guard", "telemetry", "history", "tensorboard",
-                   "early_stopping")
+# The entry of to_save that holds the training data's own position (a stateful loader's
+# sampler and workers), when the recipe's train_batches have one.
+TRAIN_DATA = "train_data"
+# Entries of to_save a spike guard's rollback leaves alone: the trainer and the training
+# data (the guard moves both forward itself: the batches after a spike are skipped, never
+# replayed), the guard, and the records of what happened.
+NOT_ROLLED_BACK = ("trainer", TRAIN_DATA, "spike_guard", "telemetry", "history",
+                   "tensorboard", "early_stopping")
 
 
 def attach_standard_handlers(

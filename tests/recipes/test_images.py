@@ -80,7 +80,7 @@ def test_a_run_trains_on_png_and_jpeg_of_two_sizes_and_skips_a_readme(workspace)
     assert '"count:dog": 16' in log and '"source": "val"' in log
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert saved["trainer"]["iteration"] == STEPS
-    assert saved["train_loader"]["_snapshot"]["_main_snapshot"]["_index_sampler_state"] == {
+    assert saved["train_data"]["_snapshot"]["_main_snapshot"]["_index_sampler_state"] == {
         "epoch": 3, "next_batch": 6}
 
 
