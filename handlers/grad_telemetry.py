@@ -43,7 +43,9 @@ class GradientTelemetry:
     scalars, are only kept in lists. Every ``log_every`` optimizer steps one transfer
     reads them and builds ``stats``: ``loss_mean``, ``lr``, ``grad_norm_mean``,
     ``grad_norm_max``, ``grad_norm_clipped_mean``, ``clip_fraction``, ``skipped_steps``
-    and, under fp16, ``amp_scale``. The post-clip norm and whether a step was clipped
+    and, under fp16, ``amp_scale``; ``lr`` is the first param group's, and when the groups'
+    LRs differ (Muon and SGD groups) each one's is there too, as ``lr/<group name>`` (its
+    ``name`` key, else its index). The post-clip norm and whether a step was clipped
     follow on the host from the pre-clip norm and the trainer's ``max_grad_norm`` (a
     step is clipped when its norm exceeds it). The report is kept as ``latest`` and
     passed to every ``add_listener`` callback.
@@ -197,6 +199,13 @@ class GradientTelemetry:
                 torch._foreach_norm([grad for _, grad in named], 2, dtype=torch.float32)
             )
 
+    def _group_lrs(self) -> dict[str, float]:
+        groups = self._trainer.optimizer.param_groups
+        if len({group["lr"] for group in groups}) == 1:
+            return {}
+        return {f"lr/{group.get('name', index)}": float(group["lr"])
+                for index, group in enumerate(groups)}
+
     def _report(self, engine: Engine) -> None:
         steps, losses, layers = len(self._norms), len(self._losses), len(self._layer_norms)
         extra = [self._scale] if self._scale is not None else []
@@ -213,6 +222,7 @@ class GradientTelemetry:
         stats = {
             "loss_mean": sum(loss_values) / losses,
             "lr": float(self._trainer.optimizer.param_groups[0]["lr"]),
+            **self._group_lrs(),
             "grad_norm_mean": sum(pre) / steps,
             "grad_norm_max": max(pre),
             "grad_norm_clipped_mean": sum(post) / steps,

@@ -187,6 +187,11 @@ class _Sweep:
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: list[float],
                  accum_steps: int, smoothing: float, diverge_factor: float | None) -> None:
         self.optimizer, self.schedule, self.accum_steps = optimizer, schedule, accum_steps
+        # The swept LR is the first group's; a group with another LR (a Muon group's) keeps
+        # its ratio to it, so the sweep scales the optimizer's LRs together.
+        first = optimizer.param_groups[0]["lr"]
+        self.ratios = [1.0 if group["lr"] == first else group["lr"] / first
+                       for group in optimizer.param_groups]
         self.smoothing, self.diverge_factor = smoothing, diverge_factor
         self.lrs: list[float] = []
         self.raw: list[float] = []
@@ -199,8 +204,8 @@ class _Sweep:
     def _start_micro_batch(self, engine: Engine) -> None:
         if (engine.state.iteration - 1) % self.accum_steps == 0:
             lr = self.schedule[(engine.state.iteration - 1) // self.accum_steps]
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            for group, ratio in zip(self.optimizer.param_groups, self.ratios, strict=True):
+                group["lr"] = lr * ratio
 
     def _end_micro_batch(self, engine: Engine) -> None:
         if engine.state.iteration % self.accum_steps:  # the closing one is read on settling
@@ -304,7 +309,8 @@ def find_lr(
       when they run out (an incomplete last window is not used). Pass enough for
       ``num_steps * accum_steps``; a shuffling loader is fine.
     - Step ``i`` (0-based) is taken with ``start_lr * (end_lr / start_lr) ** (i / (num_steps
-      - 1))``, set on every parameter group.
+      - 1))``, set on the first parameter group; a group whose LR differs from the first's
+      (a Muon group) is set to that LR times their ratio.
     - ``smoothing``: the weight of the loss's exponential moving average (bias-corrected,
       0 = no smoothing). The sweep stops once the smoothed loss exceeds ``diverge_factor``
       times its minimum (``None``: never), or on a non-finite loss. The rule assumes a

@@ -112,7 +112,8 @@ def continue_with_new_settings(
 
     The rule: the schedule is the one a fresh run with the new settings would follow,
     taken from the position reached. ``build()`` makes a scheduler for the new settings
-    (from the optimizer's ``lr``, which is set to ``new_lr`` first); it is stepped
+    (from the optimizer's ``lr``, which is set to ``new_lr`` first in every param group
+    that followed ``old_lr``; a group with a peak of its own keeps it); it is stepped
     ``optimizer_steps`` times (step clock) or ``epochs_completed`` times (epoch clock),
     and replaces ``handler``'s scheduler. A plateau schedule has no position to replay:
     the LR it reached is scaled by ``new_lr / old_lr``.
@@ -125,9 +126,15 @@ def continue_with_new_settings(
         for group in optimizer.param_groups:
             group["lr"] *= new_lr / old_lr
         return
+    # The groups that start where the first does follow lr; a group with a peak of its own
+    # (a Muon group's) keeps it, as a fresh run with only a new lr would. initial_lr is
+    # where each schedule started (below the peak for onecycle): popped, else the new
+    # scheduler would keep the old one.
+    first = optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"])
+    start_to_peak = old_lr / first
     for group in optimizer.param_groups:
-        group["lr"] = new_lr
-        group.pop("initial_lr", None)  # else the new scheduler keeps the old peak
+        start = group.pop("initial_lr", group["lr"])
+        group["lr"] = new_lr if start == first else start * start_to_peak
     fresh = build()
     if fresh.scheduler.optimizer is not optimizer or fresh.clock != handler.clock:
         raise ValueError("build() must make the same kind of schedule on the same optimizer")

@@ -112,7 +112,8 @@ class TensorBoardLogger:
         self.best = dict(state["best"])
 
     def _on_report(self, report: TelemetryReport) -> None:
-        values = [_scalar(TRAIN_TAGS[name], value) for name, value in report.stats.items()]
+        values = [_scalar(TRAIN_TAGS.get(name, f"train/{name}"), value)  # train/lr/<group>
+                  for name, value in report.stats.items()]
         values += [_scalar(f"train/layer_grad_norm/{name}", value)
                    for name, value in report.top_layer_norms.items()]
         if report.grad_norms:

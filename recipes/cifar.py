@@ -19,7 +19,8 @@ from recipes.cifar_data import CifarArrays, holdout_validation, load_cifar10, ma
 from recipes.config import ConfigError, field
 from recipes.data_batches import FLIPS, EvalBatches, TrainBatches
 from recipes.fingerprint import fingerprint_arrays
-from recipes.models import MODELS, TTA_PREDICTS, TTAPredict, build_model, param_groups
+from recipes.models import MODELS, TTA_PREDICTS, TTAPredict, build_model
+from recipes.optimizers import OptimizerChoice, build_optimizer
 from recipes.recipe import Context, Parts, Recipe, RunPlan
 from recipes.run_config import RunConfig
 
@@ -32,7 +33,7 @@ LOOKAHEAD_EVERY_SAMPLES, LOOKAHEAD_DECAY, LOOKAHEAD_START = 5 * 1024, 0.95**5, 0
 
 
 @dataclass
-class Config(RunConfig):
+class Config(OptimizerChoice, RunConfig):
     lr: float = field(0.375, "peak learning rate (airbench's 1.5 per 1024 samples)", min=0,
                       min_exclusive=True)
     data_dir: str = field("auto", "CIFAR-10 folder (image folders or python batches); auto: "
@@ -99,8 +100,7 @@ def build(config: Config, arrays: CifarArrays, ctx: Context) -> Parts:
     if config.channels_last:
         net = net.to(memory_format=torch.channels_last)
     model = idist.auto_model(net) if ctx.world_size > 1 else net  # checkpoints hold `net`
-    optimizer = torch.optim.SGD(param_groups(model, config.weight_decay), lr=config.lr,
-                                momentum=config.momentum, nesterov=config.nesterov)
+    optimizer = build_optimizer(config, model)
     predict = TTAPredict(config.tta)
 
     def before_evaluation(final: bool) -> None:

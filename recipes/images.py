@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ignite.distributed as idist
-import torch
 import torchvision
 from ignite.metrics import Accuracy, Loss
 from torch import nn
@@ -40,7 +39,7 @@ from recipes.image_folder import (
     shorter_side,
     train_transform,
 )
-from recipes.models import param_groups
+from recipes.optimizers import OptimizerChoice, build_optimizer
 from recipes.recipe import Context, Parts, Recipe
 from recipes.run_config import RunConfig
 
@@ -58,7 +57,7 @@ def _check_model(name: str) -> str | None:
 
 
 @dataclass
-class Config(RunConfig):
+class Config(OptimizerChoice, RunConfig):
     lr: float = field(0.1, "peak learning rate (SGD; 0.1 per 256 samples is the usual start)",
                       min=0, min_exclusive=True)
     data_dir: str = field("auto", f"image-folder tree: {LAYOUT}; auto: the shared CIFAR-10 "
@@ -152,8 +151,7 @@ def build(config: Config, data: ImageData, ctx: Context) -> Parts:
     net = build_classifier(config.model, len(folders.classes),
                            small_images=data.image_size <= SMALL_IMAGE_MAX).to(ctx.device)
     model = idist.auto_model(net) if ctx.world_size > 1 else net  # checkpoints hold `net`
-    optimizer = torch.optim.SGD(param_groups(model, config.weight_decay), lr=config.lr,
-                                momentum=config.momentum, nesterov=config.nesterov)
+    optimizer = build_optimizer(config, model)
     metrics = {"accuracy": Accuracy(device=ctx.device),
                "loss": Loss(nn.functional.cross_entropy, device=ctx.device)}
     return Parts(model=net, train_model=model, optimizer=optimizer, metrics=metrics,

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from ignite.engine import Events
 from torch import nn
 
-from engine import NonFiniteGradientError, TrainEvents, create_trainer
+from engine import Muon, NonFiniteGradientError, TrainEvents, create_trainer
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 pytestmark = pytest.mark.usefixtures("gate")  # every test with both update gates
@@ -145,7 +145,9 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, tor
 @pytest.mark.parametrize("make_optimizer", [
     lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1),
     lambda params: torch.optim.AdamW(params, lr=1e-2),
-], ids=["sgd_momentum", "adamw"])
+    lambda params: Muon([{"params": params[:1], "use_muon": True}, {"params": params[1:]}],
+                        lr=0.1, momentum=0.9),
+], ids=["sgd_momentum", "adamw", "muon"])
 @pytest.mark.parametrize("nan_iteration", [1, 3], ids=["first_step", "later_step"])
 def test_a_skipped_step_leaves_weights_and_optimizer_state_untouched(
     make_optimizer, nan_iteration, make_mlp, make_batches
@@ -156,7 +158,7 @@ def test_a_skipped_step_leaves_weights_and_optimizer_state_untouched(
         loss = F.cross_entropy(model(batch[0]), batch[1])
         return loss * float("nan") if trainer.state.iteration == nan_iteration else loss
 
-    optimizer = make_optimizer(model.parameters())
+    optimizer = make_optimizer(list(model.parameters()))
     trainer = create_trainer(model, optimizer, forward=forward)
     before = {}
     trainer.add_event_handler(

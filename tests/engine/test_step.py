@@ -10,13 +10,21 @@ from ignite.engine import Events
 from torch import nn
 from torch.nn.utils import clip_grad_norm_, get_total_norm
 
-from engine import TrainEvents, create_trainer
+from engine import Muon, TrainEvents, create_trainer
 from engine.batch import move_to_device
 
 AUTOCAST_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+def muon(model: nn.Sequential) -> Muon:
+    """Muon for the hidden Linear's weight, SGD-Nesterov for the biases and the head."""
+    return Muon([{"params": [model[0].weight], "use_muon": True, "lr": 0.05, "momentum": 0.6},
+                 {"params": [model[0].bias, model[2].weight, model[2].bias]}],
+                lr=0.1, momentum=0.85, nesterov=True)
+
+
 OPTIMIZERS = {
-    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda model: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+    "adamw": lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+    "muon": muon,
 }
 CLIP_NORM = 0.5  # below most pre-clip norms of the tiny MLP (0.45-0.8), so clipping bites
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -79,7 +87,7 @@ def test_trainer_matches_the_hand_written_loop_bit_for_bit(
     model, reference = make_mlp().to(device), make_mlp().to(device)
     trainer = create_trainer(
         model,
-        make_optimizer(model.parameters()),
+        make_optimizer(model),
         F.cross_entropy,
         device=device,
         precision=precision,
@@ -94,7 +102,7 @@ def test_trainer_matches_the_hand_written_loop_bit_for_bit(
 
     reference_norms = reference_loop(
         reference,
-        make_optimizer(reference.parameters()),
+        make_optimizer(reference),
         data,
         precision,
         accum_steps,

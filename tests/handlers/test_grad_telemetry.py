@@ -85,6 +85,18 @@ def test_interval_stats_equal_the_hand_computed_ones(capsys):
     ]
 
 
+def test_each_groups_lr_is_reported_when_the_groups_differ():
+    trainer = scripted_trainer(SCRIPT)
+    reports = run_with_reports(trainer, GradientTelemetry(log_every=2), range(6))
+    assert not [name for name in reports[0].stats if name.startswith("lr/")]
+    trainer = scripted_trainer(SCRIPT)
+    trainer.optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(1))], "lr": 0.2,
+                                       "name": "muon"})
+    reports = run_with_reports(trainer, GradientTelemetry(log_every=2), range(6))
+    assert {name: value for name, value in reports[0].stats.items() if "lr" in name} == {
+        "lr": 0.5, "lr/0": 0.5, "lr/muon": 0.2}
+
+
 def test_amp_scale_only_when_the_step_reports_a_scale():
     reports = run_with_reports(scripted_trainer(SCRIPT), GradientTelemetry(log_every=2), range(6))
     assert all("amp_scale" not in report.stats for report in reports)

@@ -89,6 +89,23 @@ def test_steps_take_one_lr_per_accumulation_window_and_record_the_window_mean():
     assert optimizer.param_groups[0]["lr"] == 0.01
 
 
+def test_a_group_with_its_own_lr_is_swept_at_its_ratio_to_the_first():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD([{"params": [model.weight]},
+                                 {"params": [model.bias], "lr": 0.04}], lr=0.01)
+    trainer = create_trainer(model, optimizer, F.mse_loss)
+    stepped: list[list[float]] = []
+    hook = optimizer.register_step_post_hook(
+        lambda opt, args, kwargs: stepped.append([group["lr"] for group in opt.param_groups]))
+    find_lr(trainer, regression_batches(5), start_lr=1e-4, end_lr=1e-2, num_steps=5)
+    hook.remove()
+    schedule = [1e-4 * 100 ** (i / 4) for i in range(5)]
+    assert [first for first, _ in stepped] == pytest.approx(schedule)
+    assert [second for _, second in stepped] == pytest.approx([4 * lr for lr in schedule])
+    assert [group["lr"] for group in optimizer.param_groups] == [0.01, 0.04]  # restored
+
+
 def test_running_out_of_batches_ends_the_sweep_quietly():
     trainer = regression_trainer(accum_steps=2)
     with warnings.catch_warnings():

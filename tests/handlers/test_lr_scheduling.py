@@ -392,3 +392,26 @@ def test_a_different_kind_of_schedule_is_refused():
     with pytest.raises(ValueError, match="new_lr must be a number > 0"):
         continue_with_new_settings(handler, lambda: other, old_lr=LR, new_lr=0,
                                    optimizer_steps=10, epochs_completed=2)
+
+
+@pytest.mark.parametrize("name", ["cosine", "onecycle"])
+def test_a_new_lr_moves_the_groups_that_had_it_and_keeps_a_group_with_its_own_peak(name):
+    def two_peaks() -> torch.optim.Optimizer:  # an SGD group at LR and a Muon-like one
+        return torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(1))]},
+                                {"params": [nn.Parameter(torch.zeros(1))], "lr": 0.03}],
+                               lr=LR, momentum=0.9)
+
+    optimizer = two_peaks()
+    handler = build_scheduler(name, optimizer, steps_per_epoch=5, epochs=4)
+    _drive(optimizer, handler, range(2))
+    continue_with_new_settings(handler, lambda: build_scheduler(
+        name, optimizer, steps_per_epoch=5, epochs=4), old_lr=LR, new_lr=LR / 2,
+        optimizer_steps=10, epochs_completed=2)
+
+    fresh_optimizer = two_peaks()
+    fresh_optimizer.param_groups[0]["lr"] = LR / 2
+    fresh = build_scheduler(name, fresh_optimizer, steps_per_epoch=5, epochs=4)
+    _drive(fresh_optimizer, fresh, range(2))
+    assert ([group["lr"] for group in optimizer.param_groups]
+            == pytest.approx([group["lr"] for group in fresh_optimizer.param_groups], rel=1e-12))
+    assert optimizer.param_groups[1]["lr"] != optimizer.param_groups[0]["lr"]

@@ -14,11 +14,14 @@ BATCH, BATCHES = 5, 8
 HPARAMS = {"optimizer": {"name": "sgd", "lr": 0.1}, "epochs": 2, "amp": False, "milestones": (3, 6)}
 
 
-def train(log_dir, precision="fp32", logger_state=None):
-    """Two epochs of 8 batches; telemetry every 4 steps, layer norms and histogram every 8."""
+def train(log_dir, precision="fp32", logger_state=None, bias_lr=None):
+    """Two epochs of 8 batches; telemetry every 4 steps, layer norms and histogram every 8.
+    ``bias_lr``: the bias in a group of its own named "bias", at that LR."""
     torch.manual_seed(0)
     model = nn.Linear(3, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    groups = [{"params": [model.weight]},
+              {"params": [model.bias], "lr": bias_lr or 0.1, "name": "bias"}]
+    optimizer = torch.optim.SGD(groups, lr=0.1)
     trainer = create_trainer(
         model, optimizer, nn.functional.cross_entropy, precision=precision, max_grad_norm=1.0
     )
@@ -59,6 +62,14 @@ def test_train_curves_come_from_the_telemetry_on_the_optimizer_step_axis(fp32_ru
     losses = [event.value for event in events.Scalars("train/loss")]
     assert losses == pytest.approx([report.stats["loss_mean"] for report in reports])
     assert "train/amp_scale" not in events.Tags()["scalars"]
+
+
+def test_groups_with_different_lrs_get_a_curve_each(fp32_run, tmp_path):
+    assert not [tag for tag in fp32_run[1].Tags()["scalars"] if tag.startswith("train/lr/")]
+    events, _ = train(tmp_path, bias_lr=0.3)
+    assert [event.value for event in events.Scalars("train/lr/0")] == pytest.approx([0.1] * 4)
+    assert [event.value for event in events.Scalars("train/lr/bias")] == pytest.approx([0.3] * 4)
+    assert steps(events, "train/lr/bias") == [4, 8, 12, 16]
 
 
 def test_layer_norms_and_histogram_on_the_slow_cadence(fp32_run):

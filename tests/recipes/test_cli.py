@@ -67,7 +67,12 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    """The last checkpoint's weights and optimizer state (momentum buffers)."""
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    optimizer_state = {f"optimizer/{index}/{key}": value
+                       for index, state in saved["optimizer"]["state"].items()
+                       for key, value in state.items()}
+    return {**saved["model"], **optimizer_state}
 
 
 def assert_bit_identical(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]):
@@ -384,18 +389,21 @@ def test_a_run_on_a_slice_of_the_real_set(tmp_path):
 # --- resume -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+@pytest.fixture(scope="module", params=["sgd", "muon"])
+def uninterrupted(request, tmp_path_factory) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """(the run's arguments, its final weights), once per optimizer."""
     cwd = tmp_path_factory.mktemp("uninterrupted")
-    result = run_cli(["cifar", *RESUMABLE, "--run-name", "full"], cwd)
+    args = [*RESUMABLE, "--optimizer", request.param]
+    result = run_cli(["cifar", *args, "--run-name", "full"], cwd)
     assert result.returncode == 0, result.stderr
-    return final_weights(cwd / "runs" / "cifar" / "full")
+    return args, final_weights(cwd / "runs" / "cifar" / "full")
 
 
 def test_a_killed_run_rerun_with_the_same_command_ends_bit_identical(uninterrupted, tmp_path):
     """Killed (os._exit, like SIGKILL) as it starts its 3rd save, at step 3 of epoch 1; the
     same command then resumes from the step-2 checkpoint, mid-epoch."""
-    args = ["cifar", *RESUMABLE, "--run-name", "killed"]
+    resumable, uninterrupted = uninterrupted
+    args = ["cifar", *resumable, "--run-name", "killed"]
     killed = run_cli(args, tmp_path, CKPT_TEST_CRASH_PHASE="before_temp:3")
     assert killed.returncode == 137
     run_dir = tmp_path / "runs" / "cifar" / "killed"
@@ -412,7 +420,8 @@ def test_a_killed_run_rerun_with_the_same_command_ends_bit_identical(uninterrupt
 def test_sigterm_saves_and_stops_then_the_same_command_finishes_bit_identical(
     uninterrupted, tmp_path
 ):
-    args = ["cifar", *RESUMABLE, "--run-name", "stopped"]
+    resumable, uninterrupted = uninterrupted
+    args = ["cifar", *resumable, "--run-name", "stopped"]
     run_dir = tmp_path / "runs" / "cifar" / "stopped"
     process = subprocess.Popen([sys.executable, "-m", "recipes", *args], cwd=tmp_path,
                                env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

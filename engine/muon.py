@@ -1,0 +1,133 @@
+"""Muon for weight matrices and conv filters, SGD with momentum for everything else: one
+optimizer.
+
+Muon (Keller Jordan, 2024) replaces a weight's momentum update by the nearest
+semi-orthogonal matrix, found with a few Newton-Schulz iterations, so every direction of
+the update moves at the same rate. airbench94_muon trains the conv filters of the
+airbench CIFAR net this way (each filter bank flattened to out x in*kh*kw, its weight
+renormalised before each step) and the rest with SGD-Nesterov.
+
+Why not ``torch.optim.Muon``: in torch 2.14.1 it refuses any parameter that is not 2-D
+(conv filters are 4-D) and updates nothing else, so a net would need a second optimizer
+beside it, and then the step's unscale, clip, non-finite gate, LR schedule and checkpoint
+would each have to handle two objects. Here one optimizer holds both kinds of group
+(``use_muon``): everything built for one optimizer works unchanged, and the SGD groups
+run torch's own functional SGD, bit-identical to ``torch.optim.SGD``.
+"""
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.sgd import sgd
+
+# The quintic Newton-Schulz coefficients of Muon: they push every singular value into
+# roughly [0.7, 1.2] in a few steps rather than converging slowly to exactly 1.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
+    """A near-semi-orthogonal matrix with the singular vectors of the 2-D ``update``
+    (``U S' V^T`` for ``update = U S V^T``, ``S'`` close to 1), by quintic Newton-Schulz."""
+    a, b, c = NS_COEFFICIENTS
+    # bf16 on an accelerator (what Muon is tuned with, on tensor cores); fp32 on the CPU,
+    # where bf16 matrix products are about 20 times slower.
+    x = update.to(torch.bfloat16 if update.is_cuda else torch.float32)
+    transposed = x.shape[0] > x.shape[1]  # iterate on the wide form: a smaller Gram matrix
+    if transposed:
+        x = x.T
+    x = x / (x.norm() + eps)  # every singular value <= 1, where the iteration converges
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.T if transposed else x).to(update.dtype)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the param groups with ``use_muon=True`` (each parameter at least 2-D),
+    SGD for the others.
+
+    Every group has ``lr``, ``momentum``, ``nesterov`` and ``weight_decay``. SGD groups
+    are ``torch.optim.SGD``'s update (weight decay added to the gradient). A Muon group
+    keeps a momentum buffer ``b = momentum * b + g``, takes ``g + momentum * b`` (Nesterov)
+    or ``b``, flattens it to ``rows x rest``, orthogonalises it (``ns_steps`` iterations)
+    and steps ``lr * max(1, rows / rest) ** 0.5`` times that. With ``normalize`` (the
+    default, as airbench94_muon) each weight is first rescaled to a Frobenius norm of
+    ``sqrt(rows)``: the size of a weight that BatchNorm follows does not matter, only its
+    direction, and this pins the step's relative size to ``lr``. Without it, a Muon group's
+    ``weight_decay`` is decoupled (``w *= 1 - lr * weight_decay``).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.9,
+                 nesterov: bool = True, weight_decay: float = 0.0, ns_steps: int = 3,
+                 normalize: bool = True) -> None:
+        defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov,
+                    "weight_decay": weight_decay, "ns_steps": ns_steps,
+                    "normalize": normalize, "use_muon": False}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_number("lr", group["lr"], low=0.0)
+        _check_number("momentum", group["momentum"], low=0.0, high=1.0)
+        _check_number("weight_decay", group["weight_decay"], low=0.0)
+        if group["nesterov"] and group["momentum"] == 0:
+            raise ValueError("nesterov needs a momentum > 0")
+        steps = group["ns_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"ns_steps must be an int >= 1, got {steps!r}")
+        if group["use_muon"]:
+            flat = [tuple(p.shape) for p in group["params"] if p.ndim < 2]
+            if flat:
+                raise ValueError(f"a use_muon group takes weights of 2 or more dimensions "
+                                 f"(matrices, conv filters), got a parameter of shape {flat[0]}; "
+                                 "put biases and norm parameters in an SGD group")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["use_muon"]:
+                self._muon_step(group, params)
+            else:
+                self._sgd_step(group, params)
+        return loss
+
+    def _sgd_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        buffers = [self.state[p].get("momentum_buffer") for p in params]
+        sgd(params, [p.grad for p in params], buffers, weight_decay=group["weight_decay"],
+            momentum=group["momentum"], lr=group["lr"], dampening=0.0,
+            nesterov=group["nesterov"], maximize=False)
+        if group["momentum"] != 0:
+            for p, buffer in zip(params, buffers, strict=True):
+                self.state[p]["momentum_buffer"] = buffer
+
+    def _muon_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        for p in params:
+            grad, state = p.grad, self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = grad.clone()
+            else:
+                state["momentum_buffer"].mul_(momentum).add_(grad)
+            buffer = state["momentum_buffer"]
+            update = grad.add(buffer, alpha=momentum) if group["nesterov"] else buffer
+            if group["normalize"]:
+                p.mul_(math.sqrt(p.shape[0]) / p.norm().clamp_min(1e-12))
+            elif group["weight_decay"]:
+                p.mul_(1 - lr * group["weight_decay"])
+            matrix = update.reshape(p.shape[0], -1)
+            shape_scale = max(1.0, matrix.shape[0] / matrix.shape[1]) ** 0.5
+            p.add_(orthogonalize(matrix, group["ns_steps"]).view_as(p), alpha=-lr * shape_scale)
+
+
+def _check_number(name: str, value: Any, low: float, high: float = math.inf) -> None:
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not low <= value <= high):
+        raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}")

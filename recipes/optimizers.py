@@ -1,0 +1,60 @@
+"""``--optimizer sgd|muon`` for the recipes whose optimizer is SGD: the choice, Muon's
+own keys and the param groups each gets."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine import Muon
+from recipes.config import field
+from recipes.models import param_groups
+
+
+@dataclass
+class OptimizerChoice:
+    """Run keys of a recipe trained with SGD that may train its hidden weights with Muon
+    instead; mix it into the recipe's ``Config`` (which holds ``lr``, ``momentum``,
+    ``nesterov`` and ``weight_decay``)."""
+
+    optimizer: str = field(
+        "sgd", "sgd: SGD for every weight; muon: Muon (momentum orthogonalised by "
+        "Newton-Schulz) for the conv filters and hidden weight matrices, SGD for the rest "
+        "(biases, norm shifts, the output layer)", choices=("sgd", "muon"),
+        fixed_on_resume=True)
+    muon_lr: float = field(0.24, "peak LR of the Muon weights (their step size relative to "
+                           "the weight's size; --optimizer muon)", min=0, min_exclusive=True,
+                           fixed_on_resume=True)
+    muon_momentum: float = field(0.6, "momentum of the Muon weights (Nesterov)", min=0,
+                                 max=0.999, fixed_on_resume=True)
+
+
+def hidden_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable weights Muon is for: every parameter of 2 or more dimensions except
+    embeddings and the output layer (the last ``nn.Linear`` the model registers), whose
+    rows are not directions of a hidden space."""
+    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
+    left_out = {id(module.weight) for module in model.modules()
+                if isinstance(module, nn.Embedding)}
+    left_out |= {id(linears[-1].weight)} if linears else set()
+    return [p for p in model.parameters()
+            if p.requires_grad and p.ndim >= 2 and id(p) not in left_out]
+
+
+def build_optimizer(config: OptimizerChoice, model: nn.Module) -> torch.optim.Optimizer:
+    """SGD over ``param_groups`` (weight decay on the weights, not on biases and norms), or
+    with ``--optimizer muon`` the same with the hidden weights moved to a Muon group."""
+    groups = [{**group, "name": name} for group, name in
+              zip(param_groups(model, config.weight_decay), ("decayed", "not_decayed"),
+                  strict=True)]
+    sgd_options = {"lr": config.lr, "momentum": config.momentum, "nesterov": config.nesterov}
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, **sgd_options)
+    muon = hidden_weights(model)
+    moved = {id(p) for p in muon}
+    groups = [{**group, "params": [p for p in group["params"] if id(p) not in moved]}
+              for group in groups]
+    groups.append({"params": muon, "name": "muon", "use_muon": True, "lr": config.muon_lr,
+                   "momentum": config.muon_momentum, "nesterov": config.muon_momentum > 0,
+                   "weight_decay": 0.0})
+    return Muon([group for group in groups if group["params"]], **sgd_options)

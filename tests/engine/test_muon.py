@@ -1,0 +1,146 @@
+"""``Muon``: the orthogonalisation, its SGD groups against ``torch.optim.SGD`` and its
+Muon groups against the update written out by hand, weight for weight; its checkpoint."""
+
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from engine import Muon
+from engine.muon import orthogonalize
+
+
+@pytest.mark.parametrize("shape", [(32, 72), (72, 32)])
+def test_orthogonalize_keeps_the_singular_vectors_and_pulls_the_values_near_one(shape):
+    update = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 7.0
+    result = orthogonalize(update, steps=3)
+    u, _, vh = torch.linalg.svd(update, full_matrices=False)
+    inner = u.T @ result @ vh.T  # diagonal when the singular vectors are the update's
+    off_diagonal = inner - torch.diag(torch.diagonal(inner))
+    assert off_diagonal.abs().max() < 1e-5
+    values = torch.linalg.svdvals(result)
+    assert values.min() > 0.6 and values.max() < 1.25  # the raw ones span 0.5 .. 110
+    assert result.shape == update.shape and result.dtype == update.dtype
+
+
+def two_layer_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 5))
+
+
+def batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 3, 6, 6, generator=generator),
+             torch.randint(0, 5, (8,), generator=generator)) for _ in range(count)]
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, data) -> None:
+    for x, y in data:
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def groups(model: nn.Sequential, muon_options: dict) -> list[dict]:
+    conv, head = model[0], model[2]
+    return [{"params": [conv.weight], "use_muon": True, **muon_options},
+            {"params": [conv.bias, head.bias], "weight_decay": 0.0},
+            {"params": [head.weight], "weight_decay": 5e-3}]
+
+
+def test_sgd_groups_are_torch_sgd_bit_for_bit():
+    model, reference = two_layer_model(), two_layer_model()
+    options = {"lr": 0.1, "momentum": 0.85, "nesterov": True}
+    sgd_groups = [{"params": list(model.parameters())[:2], "weight_decay": 1e-3},
+                  {"params": list(model.parameters())[2:]}]
+    train(model, Muon(sgd_groups, **options), batches(4))
+    reference_groups = [{"params": list(reference.parameters())[:2], "weight_decay": 1e-3},
+                        {"params": list(reference.parameters())[2:]}]
+    train(reference, torch.optim.SGD(reference_groups, **options), batches(4))
+    for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "decoupled_decay"])
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
+def test_muon_groups_follow_the_update_written_out_by_hand(normalize, nesterov):
+    lr, momentum, weight_decay = 0.05, 0.6, 0.1
+    model = two_layer_model()
+    optimizer = Muon(groups(model, {"lr": lr, "momentum": momentum, "nesterov": nesterov,
+                                    "weight_decay": weight_decay, "normalize": normalize}),
+                     lr=0.1, momentum=0.9)
+    data = batches(3)
+    reference = two_layer_model()
+    weight, buffer = reference[0].weight, None
+    others = torch.optim.SGD(
+        [{"params": [reference[0].bias, reference[2].bias], "weight_decay": 0.0},
+         {"params": [reference[2].weight], "weight_decay": 5e-3}], lr=0.1, momentum=0.9,
+        nesterov=True)
+    for x, y in data:
+        nn.functional.cross_entropy(reference(x), y).backward()
+        with torch.no_grad():
+            grad = weight.grad
+            buffer = grad.clone() if buffer is None else buffer * momentum + grad
+            step = grad + momentum * buffer if nesterov else buffer
+            if normalize:  # the Frobenius norm back to sqrt(out channels) = 2
+                weight.mul_(2.0 / weight.norm())
+            else:
+                weight.mul_(1 - lr * weight_decay)
+            # 4 x 27: wider than tall, so no shape scale
+            weight.sub_(lr * orthogonalize(step.reshape(4, 27), steps=3).view_as(weight))
+        others.step()
+        reference.zero_grad(set_to_none=True)
+    train(model, optimizer, data)
+    for name, got in model.state_dict().items():
+        assert torch.allclose(got, reference.state_dict()[name], rtol=0, atol=1e-6), name
+    assert not torch.equal(model[0].weight, two_layer_model()[0].weight)
+    if normalize:
+        assert math.isclose(model[0].weight.norm().item(), 2.0, rel_tol=0.2)
+
+
+def test_a_tall_weight_steps_by_the_square_root_of_its_aspect_ratio():
+    weight = nn.Parameter(torch.zeros(8, 2))
+    optimizer = Muon([{"params": [weight], "use_muon": True, "normalize": False}], lr=0.1,
+                     momentum=0.0, nesterov=False)
+    weight.grad = torch.randn(8, 2, generator=torch.Generator().manual_seed(0))
+    optimizer.step()
+    expected = -0.1 * 2.0 * orthogonalize(weight.grad, steps=3)  # sqrt(8 / 2) = 2
+    assert torch.equal(weight.detach(), expected)
+
+
+def test_state_round_trips_through_a_weights_only_checkpoint_and_resumes_bit_identical():
+    options = {"lr": 0.05, "momentum": 0.6, "nesterov": True}
+    data = batches(6)
+    straight = two_layer_model()
+    train(straight, Muon(groups(straight, options), lr=0.1, momentum=0.9), data)
+
+    resumed = two_layer_model()
+    first = Muon(groups(resumed, options), lr=0.1, momentum=0.9)
+    train(resumed, first, data[:3])
+    buffer = io.BytesIO()
+    torch.save({"model": resumed.state_dict(), "optimizer": first.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    model = two_layer_model()
+    model.load_state_dict(saved["model"])
+    second = Muon(groups(model, options), lr=0.1, momentum=0.9)
+    second.load_state_dict(saved["optimizer"])
+    assert saved["optimizer"]["param_groups"][0]["use_muon"] is True
+    train(model, second, data[3:])
+    for got, expected in zip(model.parameters(), straight.parameters(), strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(("group", "options", "message"), [
+    ({"use_muon": True}, {}, "a use_muon group takes weights of 2 or more dimensions"),
+    ({}, {"ns_steps": 0}, "ns_steps must be an int >= 1"),
+    ({}, {"momentum": 0.0, "nesterov": True}, "nesterov needs a momentum > 0"),
+    ({}, {"lr": -1.0}, "lr must be a number in [0, inf]"),
+    ({"momentum": 1.5}, {}, "momentum must be a number in [0, 1]"),
+])
+def test_bad_settings_are_refused_naming_the_setting(group, options, message):
+    bias = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        Muon([{"params": [bias], **group}], **{"lr": 0.1, **options})

@@ -1,0 +1,56 @@
+"""``--optimizer sgd|muon``: which weights Muon takes and the groups each optimizer gets."""
+
+import torch
+from torch import nn
+
+from engine import Muon
+from recipes.cifar import Config
+from recipes.models import AirbenchNet, cifar_resnet18
+from recipes.optimizers import build_optimizer, hidden_weights
+
+
+def names(model: nn.Module, params: list[nn.Parameter]) -> set[str]:
+    ids = {id(p) for p in params}
+    return {name for name, p in model.named_parameters() if id(p) in ids}
+
+
+def test_muon_takes_the_conv_filters_but_not_the_frozen_whitening_or_the_head():
+    model = AirbenchNet()
+    model.init_whitening(torch.randn(16, 3, 32, 32))
+    chosen = names(model, hidden_weights(model))
+    convs = {name for name, p in model.named_parameters() if p.ndim == 4 and p.requires_grad}
+    assert chosen == convs and len(convs) == 6
+    assert "whiten.weight" not in chosen and "head.weight" not in chosen
+
+
+def test_muon_takes_a_resnets_convs_but_not_its_classifier():
+    model = cifar_resnet18()
+    chosen = names(model, hidden_weights(model))
+    assert "fc.weight" not in chosen and "conv1.weight" in chosen
+    assert all(model.get_parameter(name).ndim == 4 for name in chosen)
+
+
+def test_embeddings_are_left_to_the_other_optimizer():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10))
+    assert names(model, hidden_weights(model)) == {"1.weight"}
+
+
+def test_sgd_is_plain_torch_sgd_and_muon_moves_only_the_hidden_weights():
+    model = AirbenchNet()
+    model.init_whitening(torch.randn(16, 3, 32, 32))  # freezes whiten.weight
+    sgd = build_optimizer(Config(), model)
+    assert type(sgd) is torch.optim.SGD
+    assert [group["weight_decay"] for group in sgd.param_groups] == [1.33e-3, 0.0]
+
+    muon = build_optimizer(Config(optimizer="muon", muon_lr=0.1, muon_momentum=0.5), model)
+    assert isinstance(muon, Muon)
+    by_name = {group["name"]: group for group in muon.param_groups}
+    assert set(by_name) == {"decayed", "not_decayed", "muon"}
+    assert (by_name["muon"]["lr"], by_name["muon"]["momentum"]) == (0.1, 0.5)
+    assert by_name["muon"]["use_muon"] and not by_name["decayed"]["use_muon"]
+    assert names(model, by_name["muon"]["params"]) == names(model, hidden_weights(model))
+    assert names(model, by_name["decayed"]["params"]) == {"head.weight"}
+    assert by_name["decayed"]["lr"] == Config().lr
+    every = [p for group in muon.param_groups for p in group["params"]]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(every) == len({id(p) for p in every}) == len(trainable)
