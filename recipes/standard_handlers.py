@@ -54,6 +54,7 @@ class StandardHandlers:
     make_scheduler: Callable[[], LRSchedulerHandler | None]
     evaluate: Callable[[Engine], None]  # on the trainer's EPOCH_COMPLETED
     spike_guard: SpikeGuard | None = None
+    tensorboard: TensorBoardLogger | None = None  # rank 0's
 
 
 def make_scheduler_factory(config: RunConfig, trainer: Trainer, plan: RunPlan
@@ -210,7 +211,8 @@ def attach_standard_handlers(
     stop = GracefulStop(save_last)
     stop.attach(trainer)
     return StandardHandlers(telemetry, history, scheduler, early_stopping, checkpointer, stop,
-                            make_scheduler, evaluate, spike_guard)
+                            make_scheduler, evaluate, spike_guard,
+                            tensorboard if rank == 0 else None)
 
 
 def _log_spike_action(tensorboard: TensorBoardLogger, action: SpikeAction) -> None:

@@ -7,7 +7,7 @@ from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 from torch import nn
 
 from engine import create_evaluator, create_trainer
-from handlers.grad_telemetry import GradientTelemetry
+from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
 from handlers.tensorboard import TensorBoardLogger, flatten
 
 BATCH, BATCHES = 5, 8
@@ -144,3 +144,15 @@ def test_flatten_keeps_plain_values_and_stringifies_the_rest():
 def test_rejects_a_bad_batch_size(tmp_path, batch_size):
     with pytest.raises(ValueError, match="batch_size"):
         TensorBoardLogger(tmp_path, batch_size=batch_size)
+
+
+def test_a_checkpoint_of_the_logger_puts_its_curves_on_disk_first(tmp_path):
+    logger = TensorBoardLogger(tmp_path)
+    for step in (10, 20):
+        logger._on_report(TelemetryReport(step=step, stats={"loss_mean": step / 10}))
+    logger.state_dict()  # what each checkpoint save calls
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 1.0), (20, 2.0)]
+    logger.close()
+    logger.close()  # the run layer closes it again after an exception: harmless
