@@ -1,5 +1,5 @@
-"""Muon for weight matrices and conv filters, SGD with momentum for everything else: one
-optimizer.
+"""Muon for weight matrices and conv filters, SGD with momentum or AdamW for everything
+else: one optimizer.
 
 Muon (Keller Jordan, 2024) replaces a weight's momentum update by the nearest
 semi-orthogonal matrix, found with a few Newton-Schulz iterations, so every direction of
@@ -11,8 +11,9 @@ Why not ``torch.optim.Muon``: in torch 2.14.1 it refuses any parameter that is n
 (conv filters are 4-D) and updates nothing else, so a net would need a second optimizer
 beside it, and then the step's unscale, clip, non-finite gate, LR schedule and checkpoint
 would each have to handle two objects. Here one optimizer holds both kinds of group
-(``use_muon``): everything built for one optimizer works unchanged, and the SGD groups
-run torch's own functional SGD, bit-identical to ``torch.optim.SGD``.
+(``use_muon``): everything built for one optimizer works unchanged, and the other groups
+run torch's own functional SGD or AdamW, bit-identical to ``torch.optim.SGD`` and
+``torch.optim.AdamW``.
 """
 
 import math
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
 # The quintic Newton-Schulz coefficients of Muon: they push every singular value into
@@ -44,12 +46,17 @@ def orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.
     return (x.T if transposed else x).to(update.dtype)
 
 
+OTHERS = ("sgd", "adamw")  # what updates the groups that are not use_muon
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for the param groups with ``use_muon=True`` (each parameter at least 2-D),
-    SGD for the others.
+    ``other`` (SGD or AdamW) for the rest.
 
-    Every group has ``lr``, ``momentum``, ``nesterov`` and ``weight_decay``. SGD groups
-    are ``torch.optim.SGD``'s update (weight decay added to the gradient). A Muon group
+    Every group has ``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``betas`` and
+    ``eps``. SGD groups are ``torch.optim.SGD``'s update (weight decay added to the
+    gradient, ``momentum`` and ``nesterov``); AdamW groups are ``torch.optim.AdamW``'s
+    (``betas``, ``eps``, decoupled ``weight_decay``). A Muon group
     keeps a momentum buffer ``b = momentum * b + g``, takes ``g + momentum * b`` (Nesterov)
     or ``b``, flattens it to ``rows x rest``, orthogonalises it (``ns_steps`` iterations)
     and steps ``lr * max(1, rows / rest) ** 0.5`` times that. With ``normalize`` (the
@@ -61,10 +68,14 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.9,
                  nesterov: bool = True, weight_decay: float = 0.0, ns_steps: int = 3,
-                 normalize: bool = True) -> None:
+                 normalize: bool = True, other: str = "sgd",
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        if other not in OTHERS:
+            raise ValueError(f"other must be one of {', '.join(OTHERS)}, got {other!r}")
+        self.other = other
         defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov,
                     "weight_decay": weight_decay, "ns_steps": ns_steps,
-                    "normalize": normalize, "use_muon": False}
+                    "normalize": normalize, "use_muon": False, "betas": betas, "eps": eps}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -73,8 +84,12 @@ class Muon(torch.optim.Optimizer):
         _check_number("lr", group["lr"], low=0.0)
         _check_number("momentum", group["momentum"], low=0.0, high=1.0)
         _check_number("weight_decay", group["weight_decay"], low=0.0)
-        if group["nesterov"] and group["momentum"] == 0:
+        if group["nesterov"] and group["momentum"] == 0 and (
+                group["use_muon"] or self.other == "sgd"):
             raise ValueError("nesterov needs a momentum > 0")
+        for beta in group["betas"]:
+            _check_number("each of betas", beta, low=0.0, high=0.999999)
+        _check_number("eps", group["eps"], low=0.0)
         steps = group["ns_steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"ns_steps must be an int >= 1, got {steps!r}")
@@ -95,9 +110,26 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if group["use_muon"]:
                 self._muon_step(group, params)
+            elif self.other == "adamw":
+                self._adamw_step(group, params)
             else:
                 self._sgd_step(group, params)
         return loss
+
+    def _adamw_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        for p in params:  # AdamW's lazy state: a host step counter, two moments
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adam(params, [p.grad for p in params], [state["exp_avg"] for state in states],
+             [state["exp_avg_sq"] for state in states], [], [state["step"] for state in states],
+             decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+             lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+             maximize=False)
 
     def _sgd_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         buffers = [self.state[p].get("momentum_buffer") for p in params]

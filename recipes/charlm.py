@@ -20,7 +20,8 @@ from torch.utils.tensorboard import SummaryWriter
 from recipes.config import ConfigError, field
 from recipes.data_order import IndexBatches, OrderedBatches
 from recipes.errors import DataError
-from recipes.gpt import GPT, param_groups
+from recipes.gpt import GPT
+from recipes.optimizers import OptimizerChoice, build_optimizer
 from recipes.recipe import Context, Parts, Recipe
 from recipes.run_config import RunConfig
 from recipes.text_files import STDLIB, read_text
@@ -29,7 +30,7 @@ SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200  # the text generated at the end
 
 
 @dataclass
-class Config(RunConfig):
+class Config(OptimizerChoice, RunConfig):
     epochs: int = field(4, "epochs to train (each reads the training text once)", min=1)
     batch_size: int = field(16, "global batch size (windows per micro-batch)", min=1,
                             fixed_on_resume=True)
@@ -47,7 +48,17 @@ class Config(RunConfig):
     n_head: int = field(4, "attention heads", min=1, fixed_on_resume=True)
     n_embd: int = field(128, "embedding width", min=1, fixed_on_resume=True)
     dropout: float = field(0.0, "dropout", min=0, max=0.9)
-    weight_decay: float = field(0.1, "AdamW weight decay", min=0, fixed_on_resume=True)
+    weight_decay: float = field(0.1, "AdamW weight decay (and Muon's, decoupled)", min=0,
+                                fixed_on_resume=True)
+    optimizer: str = field(
+        "adamw", "adamw: AdamW for every weight; muon: Muon (momentum orthogonalised by "
+        "Newton-Schulz) for the attention and MLP matrices, AdamW for the rest (embeddings, "
+        "the tied output layer, norms, biases)", choices=("adamw", "muon"),
+        fixed_on_resume=True)
+    muon_lr: float = field(0.02, "peak LR of the Muon matrices (--optimizer muon)", min=0,
+                           min_exclusive=True, fixed_on_resume=True)
+    muon_momentum: float = field(0.95, "momentum of the Muon matrices (Nesterov)", min=0,
+                                 max=0.999, fixed_on_resume=True)
 
 
 @dataclass(frozen=True)
@@ -91,8 +102,8 @@ def build(config: Config, corpus: Corpus, ctx: Context) -> Parts:
     model = GPT(256, span, config.n_layer, config.n_head, config.n_embd,
                 config.dropout).to(ctx.device)
     train_model = idist.auto_model(model) if ctx.world_size > 1 else model  # saved: model
-    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr,
-                                  betas=(0.9, 0.99))  # nanoGPT's for small batches
+    optimizer = build_optimizer(config, model, own="adamw", normalize=False, lr=config.lr,
+                                betas=(0.9, 0.99))  # nanoGPT's betas for small batches
 
     def write_sample(trainer) -> None:
         prompt = torch.tensor([list(SAMPLE_PROMPT)], device=ctx.device)

@@ -100,7 +100,8 @@ def build(config: Config, arrays: CifarArrays, ctx: Context) -> Parts:
     if config.channels_last:
         net = net.to(memory_format=torch.channels_last)
     model = idist.auto_model(net) if ctx.world_size > 1 else net  # checkpoints hold `net`
-    optimizer = build_optimizer(config, model)
+    optimizer = build_optimizer(config, model, own="sgd", lr=config.lr,
+                                momentum=config.momentum, nesterov=config.nesterov)
     predict = TTAPredict(config.tta)
 
     def before_evaluation(final: bool) -> None:

@@ -151,7 +151,8 @@ def build(config: Config, data: ImageData, ctx: Context) -> Parts:
     net = build_classifier(config.model, len(folders.classes),
                            small_images=data.image_size <= SMALL_IMAGE_MAX).to(ctx.device)
     model = idist.auto_model(net) if ctx.world_size > 1 else net  # checkpoints hold `net`
-    optimizer = build_optimizer(config, model)
+    optimizer = build_optimizer(config, model, own="sgd", lr=config.lr,
+                                momentum=config.momentum, nesterov=config.nesterov)
     metrics = {"accuracy": Accuracy(device=ctx.device),
                "loss": Loss(nn.functional.cross_entropy, device=ctx.device)}
     return Parts(model=net, train_model=model, optimizer=optimizer, metrics=metrics,

@@ -1,7 +1,8 @@
-"""``--optimizer sgd|muon`` for the recipes whose optimizer is SGD: the choice, Muon's
-own keys and the param groups each gets."""
+"""``--optimizer <the recipe's own>|muon``: the choice, Muon's own keys and the param
+groups each optimizer gets."""
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,12 +11,14 @@ from engine import Muon
 from recipes.config import field
 from recipes.models import param_groups
 
+OWN_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+
 
 @dataclass
 class OptimizerChoice:
-    """Run keys of a recipe trained with SGD that may train its hidden weights with Muon
-    instead; mix it into the recipe's ``Config`` (which holds ``lr``, ``momentum``,
-    ``nesterov`` and ``weight_decay``)."""
+    """Run keys of a recipe that may train its hidden weights with Muon instead of its own
+    optimizer; mix it into the recipe's ``Config``. A recipe whose own optimizer is not SGD
+    declares ``optimizer`` again with its choices (``("adamw", "muon")``)."""
 
     optimizer: str = field(
         "sgd", "sgd: SGD for every weight; muon: Muon (momentum orthogonalised by "
@@ -41,20 +44,24 @@ def hidden_weights(model: nn.Module) -> list[nn.Parameter]:
             if p.requires_grad and p.ndim >= 2 and id(p) not in left_out]
 
 
-def build_optimizer(config: OptimizerChoice, model: nn.Module) -> torch.optim.Optimizer:
-    """SGD over ``param_groups`` (weight decay on the weights, not on biases and norms), or
-    with ``--optimizer muon`` the same with the hidden weights moved to a Muon group."""
+def build_optimizer(config: Any, model: nn.Module, *, own: str, normalize: bool = True,
+                    **options: Any) -> torch.optim.Optimizer:
+    """The recipe's own optimizer (``own``: ``sgd`` or ``adamw``, with ``options``) over
+    ``param_groups`` (weight decay on the weights, not on biases and norms), or with
+    ``--optimizer muon`` the same with the hidden weights moved to a Muon group.
+    ``normalize`` (see ``Muon``) suits weights that a norm layer follows (conv nets);
+    without it the Muon group takes the recipe's weight decay, decoupled."""
     groups = [{**group, "name": name} for group, name in
               zip(param_groups(model, config.weight_decay), ("decayed", "not_decayed"),
                   strict=True)]
-    sgd_options = {"lr": config.lr, "momentum": config.momentum, "nesterov": config.nesterov}
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(groups, **sgd_options)
+    if config.optimizer == own:
+        return OWN_OPTIMIZERS[own](groups, **options)
     muon = hidden_weights(model)
     moved = {id(p) for p in muon}
     groups = [{**group, "params": [p for p in group["params"] if id(p) not in moved]}
               for group in groups]
     groups.append({"params": muon, "name": "muon", "use_muon": True, "lr": config.muon_lr,
                    "momentum": config.muon_momentum, "nesterov": config.muon_momentum > 0,
-                   "weight_decay": 0.0})
-    return Muon([group for group in groups if group["params"]], **sgd_options)
+                   "normalize": normalize,
+                   "weight_decay": 0.0 if normalize else config.weight_decay})
+    return Muon([group for group in groups if group["params"]], other=own, **options)

@@ -63,6 +63,15 @@ def test_sgd_groups_are_torch_sgd_bit_for_bit():
         assert torch.equal(got, expected)
 
 
+def test_adamw_groups_are_torch_adamw_bit_for_bit():
+    model, reference = two_layer_model(), two_layer_model()
+    options = {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1}
+    train(model, Muon(model.parameters(), other="adamw", **options), batches(4))
+    train(reference, torch.optim.AdamW(reference.parameters(), **options), batches(4))
+    for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "decoupled_decay"])
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
 def test_muon_groups_follow_the_update_written_out_by_hand(normalize, nesterov):
@@ -139,6 +148,8 @@ def test_state_round_trips_through_a_weights_only_checkpoint_and_resumes_bit_ide
     ({}, {"momentum": 0.0, "nesterov": True}, "nesterov needs a momentum > 0"),
     ({}, {"lr": -1.0}, "lr must be a number in [0, inf]"),
     ({"momentum": 1.5}, {}, "momentum must be a number in [0, 1]"),
+    ({}, {"other": "adam"}, "other must be one of sgd, adamw"),
+    ({}, {"other": "adamw", "betas": (0.9, 1.0)}, "each of betas must be a number"),
 ])
 def test_bad_settings_are_refused_naming_the_setting(group, options, message):
     bias = nn.Parameter(torch.zeros(3))

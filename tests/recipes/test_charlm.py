@@ -150,9 +150,10 @@ def test_no_weight_decay_on_biases_norms_and_embeddings():
 # --- the command line --------------------------------------------------------------------
 
 
-def test_tiny_run_end_to_end_then_a_resume_finds_it_complete(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_tiny_run_end_to_end_then_a_resume_finds_it_complete(optimizer, tmp_path):
     write_text_folder(tmp_path / "text")
-    args = ["--text", "text", *TINY_RUN, "--run-name", "tiny"]
+    args = ["--text", "text", *TINY_RUN, "--optimizer", optimizer, "--run-name", "tiny"]
     result = run_cli(args, tmp_path)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "charlm" / "tiny"

@@ -4,7 +4,9 @@ import torch
 from torch import nn
 
 from engine import Muon
+from recipes import charlm
 from recipes.cifar import Config
+from recipes.gpt import GPT
 from recipes.models import AirbenchNet, cifar_resnet18
 from recipes.optimizers import build_optimizer, hidden_weights
 
@@ -38,11 +40,12 @@ def test_embeddings_are_left_to_the_other_optimizer():
 def test_sgd_is_plain_torch_sgd_and_muon_moves_only_the_hidden_weights():
     model = AirbenchNet()
     model.init_whitening(torch.randn(16, 3, 32, 32))  # freezes whiten.weight
-    sgd = build_optimizer(Config(), model)
+    sgd = build_optimizer(Config(), model, own="sgd", lr=0.1)
     assert type(sgd) is torch.optim.SGD
     assert [group["weight_decay"] for group in sgd.param_groups] == [1.33e-3, 0.0]
 
-    muon = build_optimizer(Config(optimizer="muon", muon_lr=0.1, muon_momentum=0.5), model)
+    muon = build_optimizer(Config(optimizer="muon", muon_lr=0.1, muon_momentum=0.5), model,
+                           own="sgd", lr=0.1)
     assert isinstance(muon, Muon)
     by_name = {group["name"]: group for group in muon.param_groups}
     assert set(by_name) == {"decayed", "not_decayed", "muon"}
@@ -50,7 +53,22 @@ def test_sgd_is_plain_torch_sgd_and_muon_moves_only_the_hidden_weights():
     assert by_name["muon"]["use_muon"] and not by_name["decayed"]["use_muon"]
     assert names(model, by_name["muon"]["params"]) == names(model, hidden_weights(model))
     assert names(model, by_name["decayed"]["params"]) == {"head.weight"}
-    assert by_name["decayed"]["lr"] == Config().lr
+    assert by_name["decayed"]["lr"] == 0.1 and by_name["muon"]["normalize"]
     every = [p for group in muon.param_groups for p in group["params"]]
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert len(every) == len({id(p) for p in every}) == len(trainable)
+
+
+def test_the_language_model_gives_its_matrices_to_muon_and_the_rest_to_adamw():
+    model = GPT(256, 16, n_layer=2, n_head=2, n_embd=8)
+    chosen = names(model, hidden_weights(model))
+    assert chosen and all(".attn." in name or ".mlp." in name for name in chosen)
+    assert "wte.weight" not in chosen and "wpe.weight" not in chosen  # lm_head is wte
+    config = charlm.Config(optimizer="muon")
+    optimizer = build_optimizer(config, model, own="adamw", normalize=False, lr=1e-3)
+    assert optimizer.other == "adamw"
+    muon = next(group for group in optimizer.param_groups if group["use_muon"])
+    assert (muon["lr"], muon["momentum"], muon["normalize"]) == (0.02, 0.95, False)
+    assert muon["weight_decay"] == config.weight_decay
+    assert type(build_optimizer(charlm.Config(), model, own="adamw", lr=1e-3)) is (
+        torch.optim.AdamW)
