@@ -41,12 +41,15 @@ class GracefulStop:
         self.save = save
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, object] = {}
+        self._world_size = 1  # known at attach(), once the process group exists
 
     @property
     def exit_code(self) -> int | None:
         return None if self.received is None else EXIT_CODES[self.received]
 
     def attach(self, trainer: Trainer) -> None:
+        # Read once: idist's lookup costs microseconds, and this runs at every window's end.
+        self._world_size = idist.get_world_size()
         for signum in EXIT_CODES:
             self._previous[signum] = signal.signal(signum, self._on_signal)
         trainer.add_event_handler(Events.ITERATION_COMPLETED, self._on_iteration)
@@ -86,7 +89,7 @@ class GracefulStop:
         """Whether any process got a signal. In a process group every rank calls this at
         the same points, so the collective pairs up and all ranks stop after the same step
         (a rank that stopped alone would leave the others waiting in the next all-reduce)."""
-        if idist.get_world_size() == 1:
+        if self._world_size == 1:
             return self.received is not None
         signum = idist.all_reduce(int(self.received or 0), op="MAX")
         if signum and self.received is None:
