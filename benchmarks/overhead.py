@@ -44,6 +44,7 @@ class OverheadResult:
     warmup: int
     timed: int
     runs: dict[str, list[ArmResult]]  # arm -> one result per repeat
+    threads: int = 1  # torch intra-op threads of every arm
 
     def per_iteration(self, arm: str) -> list[float]:
         return [run.seconds / self.timed for run in self.runs[arm]]
@@ -68,7 +69,7 @@ def measure(workload: Workload, repeats: int, threads: int, log: Callable[[str],
         log(f"  {workload.name} repeat {repeat + 1}/{repeats} {arm}: "
             f"{1e3 * result.seconds / workload.timed:.3f} ms/iteration")
     return OverheadResult(workload.name, workload.batch_size, workload.warmup, workload.timed,
-                          runs)
+                          runs, threads)
 
 
 def parity_failures(result: OverheadResult, tolerance: float = LOSS_TOLERANCE) -> list[str]:
@@ -177,12 +178,16 @@ probe loss by far more. {parity}
 ### Tiny model: Linear(32,32)-ReLU-Linear(32,10), batch {tiny.batch_size}
 
 {tiny.warmup} warm-up + {tiny.timed} timed iterations per repeat, {len(tiny.runs[REFERENCE])}
-repeats. Overhead = arm time per iteration - hand loop (or tuned hand loop) time per
-iteration; a negative overhead is an arm faster than that loop.
+repeats, {tiny.threads} intra-op thread(s): the overhead is host-side Python, and on this
+model a second thread only spin-waits (on a shared 2-core machine it spread the hand loop's
+repeats over 770-1210 µs against about 150-250 µs with one). Overhead = arm time per
+iteration - hand loop (or tuned hand loop) time per iteration; a negative overhead is an arm
+faster than that loop.
 
 {tiny_table(tiny)}
 
-### CIFAR default model (airbench, batch {cifar.batch_size}, channels_last, fp32)
+### CIFAR default model (airbench, batch {cifar.batch_size}, channels_last, fp32, \
+{cifar.threads} threads)
 
 {cifar_note} {cifar.warmup} warm-up + {cifar.timed} timed iterations per repeat,
 {len(cifar.runs[REFERENCE])} repeats. Ratio = arm images/s / hand images/s (1.0 = as fast).
