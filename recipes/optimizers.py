@@ -25,10 +25,12 @@ class OptimizerChoice:
         "Newton-Schulz) for the conv filters and hidden weight matrices, SGD for the rest "
         "(biases, norm shifts, the output layer)", choices=("sgd", "muon"),
         fixed_on_resume=True)
-    muon_lr: float = field(0.24, "peak LR of the Muon weights (their step size relative to "
+    # Tuned at batch 256 on CIFAR-10 (3 epochs: 0.04 / 0.85 87.79%, 0.08 / 0.6 87.69%);
+    # airbench94_muon's 0.24 / 0.6 is for batch 2000, eight times fewer steps.
+    muon_lr: float = field(0.04, "peak LR of the Muon weights (their step size relative to "
                            "the weight's size; --optimizer muon)", min=0, min_exclusive=True,
                            fixed_on_resume=True)
-    muon_momentum: float = field(0.6, "momentum of the Muon weights (Nesterov)", min=0,
+    muon_momentum: float = field(0.85, "momentum of the Muon weights (Nesterov)", min=0,
                                  max=0.999, fixed_on_resume=True)
 
 
