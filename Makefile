@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 RECIPE ?= cifar
 ARGS ?=
 
-.PHONY: train test test-slow test-reliability bench lint lr-plot tensorboard clean
+.PHONY: train test test-slow test-reliability bench bench-gpu bench-extra lint lr-plot tensorboard clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,12 +26,19 @@ test-slow: $(STAMP)
 test-reliability: $(STAMP)
 	$(PY) -m pytest -q -m "reliability or not reliability" tests/reliability
 
-# Writes docs/benchmarks.md; about 10-15 minutes on a quiet 2-core CPU, so not part of `make test`.
-# Installs the bench extra (PyTorch Lightning, one of the compared arms) when it is missing.
-bench: $(STAMP)
-	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('pytorch_lightning') is None)" \
+# Installs the bench extra (PyTorch Lightning and airbench, compared arms) when either is missing.
+bench-extra: $(STAMP)
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('pytorch_lightning', 'airbench')))" \
 		|| $(PY) -m pip install -q -e '.[dev,bench]'
+
+# Writes docs/benchmarks.md; about 10-15 minutes on a quiet 2-core CPU, so not part of `make test`.
+# On a CUDA machine it includes the GPU section: the CIFAR recipe against airbench94.
+bench: bench-extra
 	$(PY) -m benchmarks --out docs/benchmarks.md
+
+# The GPU section alone (CUDA only), into runs/benchmarks-gpu.md.
+bench-gpu: bench-extra
+	$(PY) -m benchmarks --only gpu
 
 lr-plot: $(STAMP)
 	$(PY) -m recipes.lr_plot --out runs/lr_schedules.png

@@ -1,7 +1,9 @@
-"""Run every benchmark and write the report: ``python -m benchmarks [--quick] [--out PATH]``.
+"""Run every benchmark and write the report:
+``python -m benchmarks [--quick] [--only gpu] [--out PATH]``.
 
 Exit status 0; 1 when an arm's loss parity failed (the report is still written, with the
-failures); 2 when PyTorch Lightning is missing (``pip install -e '.[bench]'``).
+failures); 2 when PyTorch Lightning is missing (``pip install -e '.[bench]'``), or with
+``--only gpu`` when the GPU section cannot run here (no CUDA, no airbench, no data).
 """
 
 import argparse
@@ -10,31 +12,39 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from benchmarks import data, epoch, gpu, image_loader, overhead, syncs
 from benchmarks.machine import describe_machine, load_average
-from benchmarks.plan import FULL, QUICK
+from benchmarks.plan import FULL, QUICK, Plan
 from benchmarks.report import document
 from benchmarks.workloads import cifar_workload, tiny_workload
 from recipes.cifar import Config
 
 DOC_OUT = Path("docs/benchmarks.md")
 SMOKE_OUT = Path("runs/benchmarks-smoke.md")  # runs/ is git-ignored: smoke numbers stay out
+GPU_OUT = Path("runs/benchmarks-gpu.md")  # one section: it must not replace the full report
 SYNC_STEP_ITERATIONS = 8  # two windows of 4 micro-batches
 # The tiny model's engine overhead is host-side Python; a second intra-op thread only
 # spin-waits there and, on a shared machine, multiplies the spread of every arm.
 TINY_THREADS = 1
+Log = Callable[[str], None]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny sizes, seconds; proves the code runs")
+    parser.add_argument("--only", choices=("gpu",), default=None,
+                        help="run only this section (gpu: our CIFAR recipe against "
+                             "airbench94 on a CUDA device; needs neither Lightning nor the "
+                             "other sections' 10-15 minutes)")
     parser.add_argument("--out", type=Path, default=None,
-                        help=f"report path (default {DOC_OUT}; {SMOKE_OUT} with --quick)")
+                        help=f"report path (default {DOC_OUT}; {SMOKE_OUT} with --quick; "
+                             f"{GPU_OUT} with --only gpu)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads of the CIFAR and data arms (the tiny "
                              "model runs on one; default: torch's, "
@@ -45,22 +55,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+def missing_requirement(only: str | None) -> str | None:
+    """Why the requested run cannot start here, or None."""
+    if only == "gpu":
+        reason = gpu.skip_reason()
+        return None if reason is None else f"the GPU section cannot run here: {reason}"
     if importlib.util.find_spec("pytorch_lightning") is None:
-        print("error: PyTorch Lightning is not installed; run `make bench` or "
-              "`pip install -e '.[dev,bench]'`", file=sys.stderr)
-        return 2
-    plan = QUICK if args.quick else FULL
-    out = args.out or (SMOKE_OUT if args.quick else DOC_OUT)
-    threads = args.threads or torch.get_num_threads()
-    torch.set_num_threads(threads)
-    load_before, started = load_average(), time.perf_counter()
+        return ("PyTorch Lightning is not installed; run `make bench` or "
+                "`pip install -e '.[dev,bench]'`")
+    return None
 
-    def log(line: str) -> None:
-        print(f"[{time.perf_counter() - started:7.1f}s] {line}", file=sys.stderr, flush=True)
 
-    log(f"plan {plan.name}, {threads} threads, report -> {out}")
+def default_out(args: argparse.Namespace) -> Path:
+    if args.only == "gpu":
+        return GPU_OUT
+    return SMOKE_OUT if args.quick else DOC_OUT
+
+
+def gpu_section(plan: Plan, log: Log) -> str:
+    reason = gpu.skip_reason()
+    log(f"5/6 GPU: {reason or 'measuring'}")
+    if reason is not None:
+        return gpu.render([], [], reason)
+    return gpu.render(*gpu.measure(plan, log), None)
+
+
+def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[str], list[str]]:
+    """Every section of the report, and the loss-parity failures of section 1."""
     log("1/6 engine overhead: tiny model")
     tiny = overhead.measure(tiny_workload(plan.tiny_warmup, plan.tiny_timed),
                             plan.tiny_repeats, TINY_THREADS, log=log)
@@ -89,16 +110,13 @@ def main(argv: list[str]) -> int:
     source = epoch.synthetic_images(plan.data_batch * (plan.data_timed + 1))
     pipelines = data.measure(*source, plan.data_batch, plan.data_timed, plan.data_repeats, log=log)
 
-    gpu_skipped = gpu.skip_reason()
-    log(f"5/6 GPU: {gpu_skipped or 'measuring'}")
-    gpu_rows = ([] if gpu_skipped else
-                gpu.measure(plan.gpu_warmup, plan.gpu_timed, plan.gpu_repeats))
+    gpu_report = gpu_section(plan, log)
 
     if image_loader.SHARED_CIFAR.is_dir():
         log("6/6 image-folder data path")
         images_section = image_loader.render(
             image_loader.measure(image_loader.SHARED_CIFAR,
-                                 image_loader.QUICK if args.quick else image_loader.FULL, log),
+                                 image_loader.QUICK if quick else image_loader.FULL, log),
             image_loader.SHARED_CIFAR)
     else:
         images_section = (f"## Image-folder data path\n\nUnmeasured: no CIFAR-10 JPEG folders "
@@ -110,9 +128,33 @@ def main(argv: list[str]) -> int:
         syncs.render(scenarios),
         data.render(pipelines, epochs.fetch_shares(), threads),
         epoch.render(epochs),
-        gpu.render(gpu_rows, gpu_skipped),
+        gpu_report,
         images_section,
     ]
+    failures = overhead.parity_failures(tiny) + overhead.parity_failures(cifar)
+    return sections, failures
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    missing = missing_requirement(args.only)
+    if missing is not None:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
+    plan = QUICK if args.quick else FULL
+    out = args.out or default_out(args)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    load_before, started = load_average(), time.perf_counter()
+
+    def log(line: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f}s] {line}", file=sys.stderr, flush=True)
+
+    log(f"plan {plan.name}, {threads} threads, report -> {out}")
+    if args.only == "gpu":
+        sections, failures = [gpu_section(plan, log)], []
+    else:
+        sections, failures = all_sections(plan, threads, args.quick, log)
     wall = time.perf_counter() - started
     command = shlex.join(["python", "-m", "benchmarks", *argv])
     torch.set_num_threads(threads)  # the machine line reports the arms' count, not the last set
@@ -121,7 +163,6 @@ def main(argv: list[str]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)
     log(f"wrote {out} ({wall / 60:.1f} min)")
-    failures = overhead.parity_failures(tiny) + overhead.parity_failures(cifar)
     for failure in failures:
         print(f"error: loss parity: {failure}", file=sys.stderr)
     return 1 if failures else 0

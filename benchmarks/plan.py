@@ -6,6 +6,12 @@ run logged 1.9 s per iteration on a loaded machine): section 1 trains 5 arms x 5
 10 iterations of it (about 7 min), section 4 2 layouts x 3 repeats x 8 plus a slice of
 evaluation (about 2 min); the tiny model, the sync counts and the data pipelines take
 about 2 min together.
+
+Section 5 runs only on a CUDA machine (``python -m benchmarks --only gpu`` runs it alone):
+3 arms x 2 batch sizes x 3 repeats of 25 steps, each compiled arm compiling anew, then one
+whole run each of airbench94 and of the recipe's 4 runs (2 settings, eager and compiled).
+Its window of 5 + 20 steps (and the one after it) must fit in one epoch of airbench's
+loader at batch 1024 (48 batches).
 """
 
 from dataclasses import dataclass
@@ -34,10 +40,12 @@ class Plan:
     epoch_repeats: int
     epoch_eval_images: int
     epoch_train_images: int
-    # Section 5 (CUDA only)
+    # Section 5 (CUDA only): the step, then whole runs (None: each arm's own epoch count)
     gpu_warmup: int
     gpu_timed: int
     gpu_repeats: int
+    gpu_run_repeats: int
+    gpu_run_epochs: int | None
 
 
 FULL = Plan(
@@ -47,7 +55,7 @@ FULL = Plan(
     data_batch=256, data_timed=16, data_repeats=5,
     epoch_batch=256, epoch_warmup=2, epoch_timed=6, epoch_repeats=3, epoch_eval_images=256,
     epoch_train_images=50_000,
-    gpu_warmup=5, gpu_timed=20, gpu_repeats=3,
+    gpu_warmup=5, gpu_timed=20, gpu_repeats=3, gpu_run_repeats=1, gpu_run_epochs=None,
 )
 
 # Proves every code path runs, in seconds; its numbers mean nothing.
@@ -58,5 +66,5 @@ QUICK = Plan(
     data_batch=32, data_timed=2, data_repeats=1,
     epoch_batch=8, epoch_warmup=1, epoch_timed=1, epoch_repeats=1, epoch_eval_images=8,
     epoch_train_images=512,
-    gpu_warmup=1, gpu_timed=2, gpu_repeats=1,
+    gpu_warmup=1, gpu_timed=2, gpu_repeats=1, gpu_run_repeats=1, gpu_run_epochs=1,
 )

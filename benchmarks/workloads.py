@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from recipes.cifar import Config
-from recipes.cifar_data import make_synthetic
+from recipes.cifar_data import CifarArrays, make_synthetic, subset
 from recipes.data_batches import TrainBatches
 from recipes.models import build_model, param_groups
 
@@ -86,15 +86,22 @@ def tiny_workload(warmup: int, timed: int, batch_size: int = 32, seed: int = 0) 
 
 def cifar_workload(
     warmup: int, timed: int, batch_size: int | None = None, channels_last: bool = True,
-    seed: int = 0,
+    seed: int = 0, arrays: CifarArrays | None = None,
 ) -> Workload:
     """The CIFAR recipe's defaults (``recipes.cifar.Config``): airbench net with its
     whitening layer fitted, SGD with Nesterov momentum and weight-decay groups,
-    label-smoothed cross-entropy, fp32; batches of synthetic CIFAR-shaped images made
-    by the recipe's own ``TrainBatches`` (crop + flip, normalised) before timing."""
+    label-smoothed cross-entropy, fp32; batches made by the recipe's own ``TrainBatches``
+    (crop + flip, normalised) before timing, from the first images of ``arrays`` (real
+    CIFAR-10, say), else from synthetic CIFAR-shaped images."""
     config = Config()
     batch_size = batch_size or config.batch_size
-    arrays = make_synthetic(batch_size * (warmup + timed), batch_size, seed=seed)
+    n_train = batch_size * (warmup + timed)
+    if arrays is None:
+        arrays = make_synthetic(n_train, batch_size, seed=seed)
+    elif len(arrays.train_labels) < n_train:
+        raise ValueError(f"{warmup + timed} batches of {batch_size} need {n_train} training "
+                         f"images; the arrays hold {len(arrays.train_labels)}")
+    arrays = subset(arrays, n_train, batch_size)
     source = TrainBatches(arrays.train_images, arrays.train_labels, batch_size, seed=seed,
                           channels_last=channels_last, crop_padding=config.crop_padding)
     batches = list(source.epoch_batches(1))

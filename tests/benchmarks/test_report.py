@@ -1,6 +1,3 @@
-import torch
-
-from benchmarks import gpu
 from benchmarks.machine import describe_machine
 from benchmarks.report import document, table
 
@@ -19,11 +16,3 @@ def test_document_names_the_command_the_machine_and_the_versions():
     assert "Smoke run" not in text
     assert "Smoke run" in document(machine, "c", "quick", "0", "0", 1.0, [])
 
-
-def test_the_gpu_section_says_why_it_did_not_run():
-    reason = gpu.skip_reason()
-    if torch.cuda.is_available():
-        assert reason is None
-    else:
-        assert reason == "no CUDA device on this machine"
-        assert "Unmeasured: no CUDA device" in gpu.render([], reason)
