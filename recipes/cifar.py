@@ -34,6 +34,12 @@ LOOKAHEAD_EVERY_SAMPLES, LOOKAHEAD_DECAY, LOOKAHEAD_START = 5 * 1024, 0.95**5, 0
 
 @dataclass
 class Config(OptimizerChoice, RunConfig):
+    # Muon for the conv filters reaches in 8 epochs what SGD alone reaches in 10 (README).
+    epochs: int = field(8, "epochs to train", min=1)
+    optimizer: str = field(
+        "muon", "muon: Muon (momentum orthogonalised by Newton-Schulz) for the conv filters, "
+        "SGD-Nesterov for the rest (norm shifts, whitening bias, head); sgd: SGD for every "
+        "weight", choices=("sgd", "muon"), fixed_on_resume=True)
     lr: float = field(0.375, "peak learning rate (airbench's 1.5 per 1024 samples)", min=0,
                       min_exclusive=True)
     data_dir: str = field("auto", "CIFAR-10 folder (image folders or python batches); auto: "

@@ -40,7 +40,7 @@ def test_embeddings_are_left_to_the_other_optimizer():
 def test_sgd_is_plain_torch_sgd_and_muon_moves_only_the_hidden_weights():
     model = AirbenchNet()
     model.init_whitening(torch.randn(16, 3, 32, 32))  # freezes whiten.weight
-    sgd = build_optimizer(Config(), model, own="sgd", lr=0.1)
+    sgd = build_optimizer(Config(optimizer="sgd"), model, own="sgd", lr=0.1)
     assert type(sgd) is torch.optim.SGD
     assert [group["weight_decay"] for group in sgd.param_groups] == [1.33e-3, 0.0]
 
