@@ -70,6 +70,8 @@ class GracefulStop:
               "(send it again to stop at once)", flush=True)
 
     def _on_iteration(self, trainer: Trainer) -> None:
+        if self._world_size == 1 and self.received is None:
+            return  # the common case, first: this runs at every micro-batch
         # An epoch's last iteration is left to the EPOCH_COMPLETED check, which runs after
         # the epoch's evaluation: a stop here would commit a checkpoint that skips it.
         state = trainer.state

@@ -199,11 +199,8 @@ def attach_standard_handlers(
     evaluator.add_event_handler(Events.COMPLETED, RankZeroSave(checkpointer.save_best))
     # Not at an epoch's last iteration: that one is saved at EPOCH_COMPLETED, after
     # validation, so that a resumed run never skips an epoch's evaluation.
-    trainer.add_event_handler(
-        TrainEvents.OPTIMIZER_STEP(event_filter=lambda engine, step: (
-            step % config.checkpoint_every == 0
-            and engine.state.iteration % engine.state.epoch_length != 0)),
-        save_last)
+    trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP,
+                              _every_steps(config.checkpoint_every, save_last))
     trainer.add_event_handler(Events.EPOCH_COMPLETED, save_last)
     if rank == 0:
         Progress(mode=config.progress, stream=progress_stream).attach(trainer, telemetry)
@@ -213,6 +210,17 @@ def attach_standard_handlers(
     return StandardHandlers(telemetry, history, scheduler, early_stopping, checkpointer, stop,
                             make_scheduler, evaluate, spike_guard,
                             tensorboard if rank == 0 else None)
+
+
+def _every_steps(every: int, save: Callable[[Engine], None]) -> Callable[[Engine], None]:
+    """``save`` at every ``every``-th optimizer step except at an epoch's last iteration.
+    A plain test rather than an Ignite event filter, whose wrapper costs about three
+    times as much at every step."""
+    def save_on_cadence(engine: Engine) -> None:
+        state = engine.state
+        if state.optimizer_step % every == 0 and state.iteration % state.epoch_length != 0:
+            save(engine)
+    return save_on_cadence
 
 
 def _log_spike_action(tensorboard: TensorBoardLogger, action: SpikeAction) -> None:

@@ -1,14 +1,20 @@
+import os
+
 import pytest
 import torch
 from ignite.engine import Events
 from ignite.metrics import Accuracy, Loss
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+from tensorboard.compat.tensorflow_stub.errors import OutOfRangeError
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+from tensorboard.summary.writer import record_writer
 from torch import nn
 
 from engine import create_evaluator, create_trainer
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
-from handlers.tensorboard import TensorBoardLogger, flatten
+from handlers.tensorboard import TensorBoardLogger, flatten, masked_crc32c
 
 BATCH, BATCHES = 5, 8
 HPARAMS = {"optimizer": {"name": "sgd", "lr": 0.1}, "epochs": 2, "amp": False, "milestones": (3, 6)}
@@ -156,3 +162,27 @@ def test_a_checkpoint_of_the_logger_puts_its_curves_on_disk_first(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 1.0), (20, 2.0)]
     logger.close()
     logger.close()  # the run layer closes it again after an exception: harmless
+
+
+@pytest.mark.parametrize("size", [0, 1, 8, 190, 4099])
+def test_the_c_checksum_equals_tensorboards_own(size):
+    data = os.urandom(size)
+    assert masked_crc32c(data) == pywrap_tensorflow.masked_crc32c(data)
+
+
+def test_records_are_checksummed_in_c_and_pass_tensorboards_own_check(tmp_path):
+    logger = TensorBoardLogger(tmp_path)
+    assert record_writer.masked_crc32c is masked_crc32c
+    for step in (10, 20):
+        logger._on_report(TelemetryReport(step=step, stats={"loss_mean": step / 10}))
+    logger.close()
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    reader = pywrap_tensorflow.PyRecordReader_New(str(path))  # checks both CRCs of each record
+    steps = []
+    while True:
+        try:
+            reader.GetNext()
+        except OutOfRangeError:
+            break
+        steps.append(event_pb2.Event.FromString(reader.record()).step)
+    assert steps == [0, 10, 20]  # the file version record, then the two reports
