@@ -142,7 +142,8 @@ class Trainer(Engine):
                               f"Firing handlers for event {event_name}")
         self.last_event_name = event_name
         for func, args, kwargs in self._event_handlers[event_name]:
-            kwargs.update(event_kwargs)
+            if event_kwargs:
+                kwargs.update(event_kwargs)
             if args and isinstance(args[0], weakref.ref):
                 engine = args[0]()
                 if engine is None:

@@ -225,6 +225,5 @@ def _every_steps(every: int, save: Callable[[Engine], None]) -> Callable[[Engine
 
 def _log_spike_action(tensorboard: TensorBoardLogger, action: SpikeAction) -> None:
     """``health/spikes_skipped``, ``health/rollbacks`` and ``health/lr_scale`` at each action."""
-    for name, value in action.counts.items():
-        tensorboard.writer.add_scalar(f"health/{name}", value, action.step)
-    tensorboard.writer.flush()
+    tensorboard.log_now({f"health/{name}": value for name, value in action.counts.items()},
+                        action.step)

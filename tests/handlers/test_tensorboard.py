@@ -12,9 +12,10 @@ from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 from tensorboard.summary.writer import record_writer
 from torch import nn
 
+import handlers.tensorboard as tensorboard_module
 from engine import create_evaluator, create_trainer
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
-from handlers.tensorboard import TensorBoardLogger, flatten, masked_crc32c
+from handlers.tensorboard import REPORTS_PER_HANDOFF, TensorBoardLogger, flatten, masked_crc32c
 
 BATCH, BATCHES = 5, 8
 HPARAMS = {"optimizer": {"name": "sgd", "lr": 0.1}, "epochs": 2, "amp": False, "milestones": (3, 6)}
@@ -170,19 +171,46 @@ def test_the_c_checksum_equals_tensorboards_own(size):
     assert masked_crc32c(data) == pywrap_tensorflow.masked_crc32c(data)
 
 
+def read_records(log_dir):
+    """Every event of the run's one file, through TensorBoard's reader, which checks both
+    CRCs of each record."""
+    (path,) = log_dir.glob("events.out.tfevents.*")
+    reader = pywrap_tensorflow.PyRecordReader_New(str(path))
+    events = []
+    while True:
+        try:
+            reader.GetNext()
+        except OutOfRangeError:
+            return events
+        events.append(event_pb2.Event.FromString(reader.record()))
+
+
 def test_records_are_checksummed_in_c_and_pass_tensorboards_own_check(tmp_path):
     logger = TensorBoardLogger(tmp_path)
     assert record_writer.masked_crc32c is masked_crc32c
     for step in (10, 20):
         logger._on_report(TelemetryReport(step=step, stats={"loss_mean": step / 10}))
     logger.close()
-    (path,) = tmp_path.glob("events.out.tfevents.*")
-    reader = pywrap_tensorflow.PyRecordReader_New(str(path))  # checks both CRCs of each record
-    steps = []
-    while True:
-        try:
-            reader.GetNext()
-        except OutOfRangeError:
-            break
-        steps.append(event_pb2.Event.FromString(reader.record()).step)
-    assert steps == [0, 10, 20]  # the file version record, then the two reports
+    # The file version record, then the two reports.
+    assert [event.step for event in read_records(tmp_path)] == [0, 10, 20]
+
+
+def test_reports_are_held_then_written_together_with_their_own_wall_times(tmp_path, monkeypatch):
+    logger = TensorBoardLogger(tmp_path)
+    clock = iter(range(1000, 2000))
+    monkeypatch.setattr(tensorboard_module.time, "time", lambda: float(next(clock)))
+    held = REPORTS_PER_HANDOFF - 1
+    for step in range(1, held + 1):
+        logger._on_report(TelemetryReport(step=step, stats={"loss_mean": 1.0}))
+    logger.writer.flush()
+    assert [event.step for event in read_records(tmp_path)] == [0]  # nothing handed off yet
+    logger._on_report(TelemetryReport(step=held + 1, stats={"loss_mean": 1.0}))
+    logger._on_report(TelemetryReport(step=held + 2, stats={"loss_mean": 1.0}))  # held again
+    logger.writer.flush()
+    assert [event.step for event in read_records(tmp_path)][1:] == list(range(1, held + 2))
+    logger.log_now({"health/rollbacks": 1.0}, step=held + 2)  # the held report goes first
+    events = read_records(tmp_path)[1:]
+    assert [(e.step, e.summary.value[0].tag) for e in events[-2:]] == [
+        (held + 2, "train/loss"), (held + 2, "health/rollbacks")]
+    assert [e.wall_time for e in events[:-1]] == [1000.0 + i for i in range(held + 2)]
+    logger.close()
