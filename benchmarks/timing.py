@@ -3,7 +3,7 @@
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -50,6 +50,11 @@ def interleaved_order(names: Sequence[str], repeats: int) -> list[tuple[int, str
     return order
 
 
+# Called with "open" and "close" at every WindowTimer's edges (``benchmarks.instructions``
+# counts the instructions between them).
+window_listeners: list[Callable[[str], None]] = []
+
+
 class WindowTimer:
     """Times iterations ``warmup + 1 .. warmup + timed`` of a run from inside its loop.
 
@@ -68,7 +73,11 @@ class WindowTimer:
     def mark(self, done: int) -> None:
         if done == self.warmup:
             self.start = time.perf_counter()
+            for listener in window_listeners:
+                listener("open")
         elif done == self.warmup + self.timed:
+            for listener in window_listeners:
+                listener("close")
             self.end = time.perf_counter()
 
     @property
