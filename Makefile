@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 RECIPE ?= cifar
 ARGS ?=
 
-.PHONY: train test test-slow test-reliability bench bench-gpu bench-extra lint lr-plot tensorboard clean
+.PHONY: train test test-slow test-reliability bench bench-gpu bench-instructions bench-extra lint lr-plot tensorboard clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ bench: bench-extra
 # The GPU section alone (CUDA only), into runs/benchmarks-gpu.md.
 bench-gpu: bench-extra
 	$(PY) -m benchmarks --only gpu
+
+# Instructions per iteration of the tiny-model arms under valgrind's callgrind (needs valgrind
+# and cc): the overhead figures that load on a shared machine does not move; about 8 minutes.
+bench-instructions: $(STAMP)
+	$(PY) -m benchmarks.instructions
 
 lr-plot: $(STAMP)
 	$(PY) -m recipes.lr_plot --out runs/lr_schedules.png
