@@ -308,7 +308,15 @@ class Reference:
         assert '"status": "completed"' in summary
 
 
-@pytest.fixture(scope="session", params=list(RECIPE_CASES))
+# The image-folder cases train a ResNet-18 on the CPU: about 3x the others' time, ~190 s of
+# `make test` on a slow day. They run in `make test-reliability` and `make test-slow`;
+# tests/recipes/test_images.py keeps the recipe's own end-to-end tests in `make test`.
+SLOW_CASES = ("images",)
+
+
+@pytest.fixture(scope="session", params=[
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_CASES else name
+    for name in RECIPE_CASES])
 def recipe_case(request, tmp_path_factory) -> RecipeCase:
     """Every test that uses the reference, the interrupted run or the harness runs once per
     recipe."""
