@@ -6,12 +6,12 @@ more between repeats (slow phases lasting seconds), far above the 10-40 µs diff
 the overhead targets are about. Valgrind's callgrind counts the instructions a process
 executes, in every thread (the TensorBoard writer's included), whatever the load: the
 count of an arm's timed window (the same window as section 1 of ``make bench``: the
-iterations after the warm-up) repeats to about 1% between processes. It is not time:
-it misses cache misses and system calls. On this CPU the tuned hand loop ran 1.12 M
-instructions in about 550 µs an iteration, about 2 per nanosecond.
+iterations after the warm-up) repeated to within 1.2% between processes. It is not
+time: it misses cache misses and system calls. On this CPU the tuned hand loop ran 1.13 M
+instructions in about 550-620 µs an iteration, about 2 per nanosecond.
 
 Needs ``valgrind`` and a C compiler: the window's edges reach callgrind through its client
-requests, C macros, compiled at start into a four-function library. Each arm runs in its
+requests, C macros, compiled at start into a two-function library. Each arm runs in its
 own process under valgrind, about 1.5 minutes each on this CPU; not part of ``make bench``.
 Exit status 2 when valgrind, the compiler or callgrind's header is missing.
 """

@@ -88,10 +88,10 @@ class TensorBoardLogger:
     opens, appends to and closes the file once a record while holding the GIL, and one
     wake-up a report cost the step loop about 40 µs an iteration on this CPU. So the
     curves on disk reach at least the newest checkpoint, and a resumed run writes the
-    rest again. The run layer closes the logger
-    when a run ends by an exception; no ``EXCEPTION_RAISED`` handler is registered, since
-    Ignite swallows the exception once one exists. Attach it after handlers that evaluate
-    on ``COMPLETED`` so the HParams entry sees their metrics.
+    rest again. The run layer closes the logger when a run ends by an exception; no
+    ``EXCEPTION_RAISED`` handler is registered, since Ignite swallows the exception once
+    one exists. Attach it after handlers that evaluate on ``COMPLETED`` so the HParams
+    entry sees their metrics.
 
     Example::
 
