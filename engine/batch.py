@@ -19,11 +19,16 @@ Predict = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
     """Move every tensor in a (nested) tuple, list or dict to ``device``; one already there
-    is passed on as it is (comparing devices costs a fifth of a no-op ``to``)."""
+    is passed on as it is (comparing devices costs a fifth of a no-op ``to``), and so is a
+    tuple or list of such tensors."""
+    if type(batch) in (tuple, list):  # the usual (x, y) first, before the ABC checks below
+        for value in batch:
+            if type(value) is not torch.Tensor or value.device != device:
+                return type(batch)([move_to_device(value, device, non_blocking)
+                                    for value in batch])
+        return batch  # tensors already on the device: the same container, not a copy
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=non_blocking)
-    if type(batch) in (tuple, list):  # the usual (x, y) first, before the ABC checks below
-        return type(batch)([move_to_device(value, device, non_blocking) for value in batch])
     if isinstance(batch, dict):
         return {key: move_to_device(value, device, non_blocking) for key, value in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple: positional fields

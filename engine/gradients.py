@@ -5,6 +5,9 @@ import torch
 
 # clip_grad_norm_'s guard against a zero norm: the same constant keeps the clip bit-identical.
 CLIP_EPS = 1e-6
+# A norm below this fraction of max_grad_norm is never clipped: float32 rounding cannot get
+# its coefficient below 1.
+NEVER_CLIPPED_BELOW = 1 - 1e-3
 
 
 def gradient_norms(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -26,7 +29,7 @@ def clip_on_device(grads: list[torch.Tensor], norm: torch.Tensor, max_grad_norm:
 def host_clip_coefficient(norm: float, max_grad_norm: float) -> float:
     """``clip_on_device``'s coefficient from a float32 norm read on the host, in float32
     arithmetic as torch's ops round it, so a multiply by it is bit-identical."""
-    if norm < (1 - 1e-3) * max_grad_norm:  # far from biting: float32 rounding cannot get it <1
+    if norm < NEVER_CLIPPED_BELOW * max_grad_norm:
         return 1.0
     one, norm32 = np.float32(1.0), np.float32(norm)
     coef = np.float32(max_grad_norm) * (one / (norm32 + np.float32(CLIP_EPS)))

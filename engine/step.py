@@ -39,30 +39,43 @@ def make_train_step(
     guard: NonFiniteGuard,
 ) -> Callable[[Engine, Any], dict[str, torch.Tensor]]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    # Each of these does nothing in some setting; skipping it there saves its Python call.
-    autocast = precision.autocast if precision.dtype is not None else nullcontext
+    # Each of these does nothing in some setting; skipping it there saves its Python call
+    # (a `with` of a context that does nothing costs about as much as a tensor op).
     no_sync = getattr(model, "no_sync", nullcontext)  # DDP's; inside a window only
-    scale = scaler.scale if precision.uses_scaler else lambda loss: loss
+    uses_scaler = precision.uses_scaler
     window_losses: list[torch.Tensor] = []  # read only to classify a skipped step
 
+    def forward_in_precision(model: nn.Module, batch: Any) -> torch.Tensor:
+        with precision.autocast():
+            return forward(model, batch)
+
+    run_forward = forward if precision.dtype is None else forward_in_precision
+
+    def forward_backward(batch: Any, window_len: int) -> torch.Tensor:
+        loss = run_forward(model, batch)
+        window_share = loss / window_len if window_len > 1 else loss
+        (scaler.scale(window_share) if uses_scaler else window_share).backward()
+        return loss
+
     def train_step(engine: Engine, batch: Any) -> dict[str, torch.Tensor]:
-        guard.settle(engine)  # normally done at GET_BATCH_STARTED, absent when data=None
         # 1-3: forward under autocast, loss divided by the real window length, scaled backward.
         if not model.training:  # an evaluation in between switched it to eval()
             model.train()
-        window_len, closes_window = window_position(engine.state, accum_steps)
+        window_len, closes_window = (1, True) if accum_steps == 1 else window_position(
+            engine.state, accum_steps)
         batch = prepare_batch(batch, precision.device, True)
-        with nullcontext() if closes_window else no_sync():
-            with autocast():
-                loss = forward(model, batch)
-            scale(loss / window_len if window_len > 1 else loss).backward()
+        if closes_window:
+            loss = forward_backward(batch, window_len)
+        else:  # DDP all-reduces the gradients in the window's last backward only
+            with no_sync():
+                loss = forward_backward(batch, window_len)
         output = {"loss": loss.detach()}
         window_losses.append(output["loss"])
         if not closes_window:
             return output
 
         # 4-5: unscale, then (in the gate) one global pre-clip norm and the clip.
-        if precision.uses_scaler:
+        if uses_scaler:
             scaler.unscale_(optimizer)
             # The scale this window was scaled with; cloned because update() changes it in place.
             output["scale"] = scaler._get_scale_async().detach().clone()
@@ -73,7 +86,7 @@ def make_train_step(
         gradient_norms, output["grad_norm"] = guard.gate.update(
             [p.grad for p in stepped], stepped, max_grad_norm, guard.veto, window_losses
         )
-        if precision.uses_scaler:
+        if uses_scaler:
             scaler.update()
         optimizer.zero_grad(set_to_none=True)
 

@@ -6,7 +6,12 @@ from collections.abc import Callable
 
 import torch
 
-from engine.gradients import clip_on_device, gradient_norms, host_clip_coefficient
+from engine.gradients import (
+    NEVER_CLIPPED_BELOW,
+    clip_on_device,
+    gradient_norms,
+    host_clip_coefficient,
+)
 
 # (the window's micro-batch losses, its pre-clip gradient norm) -> a 0-d bool tensor on the
 # norm's device, True to hold this window's update back. Called once per window before its
@@ -34,7 +39,8 @@ class HostGate:
     """For a device that is the host (the CPU): the norm is in host memory as soon as it is
     computed, so the clip is decided on the host (a multiply only when it bites) and the
     step is not called when the norm is not finite. The norm is read through a NumPy view of
-    its buffer, which waits for nothing."""
+    a buffer it is copied to, which waits for nothing (and is no tensor method that would
+    sync on a GPU)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -50,17 +56,23 @@ class HostGate:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-gradient norms, global pre-clip norm) of a window, after its update."""
         per_gradient = gradient_norms(grads)
-        torch.linalg.vector_norm(per_gradient, out=self._norm)
-        norm = float(self._norm_view[()])
+        norm_tensor = torch.linalg.vector_norm(per_gradient)
+        self._norm.copy_(norm_tensor)  # cheaper than computing into it and cloning it out
+        norm = self._norm_view.item()
         finite = math.isfinite(norm)
-        self._vetoed = finite and veto is not None and bool(veto(window_losses, self._norm))
+        self._vetoed = finite and veto is not None and bool(veto(window_losses, norm_tensor))
         self._applied = finite and not self._vetoed
         if self._applied:
-            coef = 1.0 if max_grad_norm is None else host_clip_coefficient(norm, max_grad_norm)
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
-            step_with_lr_scale(self.optimizer, self.lr_scale)
-        return per_gradient, self._norm.clone()
+            # Tested before calling out: most steps are far from the clip.
+            if max_grad_norm is not None and norm >= NEVER_CLIPPED_BELOW * max_grad_norm:
+                coef = host_clip_coefficient(norm, max_grad_norm)
+                if coef < 1.0:
+                    torch._foreach_mul_(grads, coef)
+            if self.lr_scale == 1.0:
+                self.optimizer.step()
+            else:
+                step_with_lr_scale(self.optimizer, self.lr_scale)
+        return per_gradient, norm_tensor
 
     def finite(self) -> bool:
         """Whether the last ``update`` stepped: its norm was finite and no veto held it back."""

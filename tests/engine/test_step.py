@@ -284,6 +284,17 @@ def test_default_prepare_batch_moves_nested_dicts_tuples_and_lists():
     assert moved["pair"][1][1] == "label" and moved["count"] == 3
 
 
+def test_default_prepare_batch_passes_a_batch_already_on_the_device_as_it_is():
+    meta = torch.device("meta")
+    on_meta = torch.zeros(2, device=meta)
+    batch = (on_meta, torch.ones(2, device=meta))
+    assert move_to_device(batch, meta) is batch
+    mixed = [on_meta, torch.ones(2)]
+    moved = move_to_device(mixed, meta)
+    assert moved is not mixed and isinstance(moved, list)
+    assert moved[0] is on_meta and moved[1].is_meta
+
+
 def test_default_prepare_batch_keeps_named_tuples():
     Sample = collections.namedtuple("Sample", ["x", "y"])
     moved = move_to_device(Sample(torch.ones(2), torch.zeros(2)), torch.device("meta"))

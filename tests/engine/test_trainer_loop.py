@@ -1,0 +1,164 @@
+"""The trainer's own epoch loop against Ignite's: the same events, in the same order, with
+the same state, in every way an epoch can start, run dry, end and fail."""
+
+import warnings
+
+import pytest
+import torch
+from ignite.engine import Engine, Events
+from torch import nn
+
+from engine import Trainer
+from engine.precision import resolve_precision
+
+# Every event Ignite fires, in no particular order.
+ALL_EVENTS = (
+    Events.STARTED, Events.EPOCH_STARTED, Events.GET_BATCH_STARTED, Events.GET_BATCH_COMPLETED,
+    Events.DATALOADER_STOP_ITERATION, Events.ITERATION_STARTED, Events.ITERATION_COMPLETED,
+    Events.TERMINATE_SINGLE_EPOCH, Events.EPOCH_COMPLETED, Events.TERMINATE, Events.COMPLETED,
+    Events.EXCEPTION_RAISED,
+)
+
+
+class Unsized:
+    """An iterable without ``__len__``, like a streaming dataset."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def bare_trainer(process_function) -> Trainer:
+    """A trainer with a caller's process function and no update gate: the loop alone."""
+    model = nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return Trainer(process_function, model, optimizer, torch.amp.GradScaler("cpu", enabled=False),
+                   resolve_precision("fp32", "cpu"), 1, None, guard=None)
+
+
+def echo(engine: Engine, batch):
+    if batch == "boom":
+        raise ValueError("boom")
+    return batch
+
+
+def record(engine: Engine, log: list, action=None) -> None:
+    """Log every event with the state handlers see; ``action(engine, event)`` runs after."""
+    for event in ALL_EVENTS:
+        def handler(engine, *args, event=event):
+            state = engine.state
+            log.append((event.name, state.epoch, state.iteration, state.batch, state.output,
+                        state.epoch_length, state.max_epochs, tuple(map(repr, args))))
+            if action is not None:
+                action(engine, event)
+        engine.add_event_handler(event, handler)
+
+
+def call_at(event, iteration: int, method: str):
+    def action(engine, fired):
+        if fired == event and engine.state.iteration == iteration:
+            getattr(engine, method)()
+    return action
+
+
+SCENARIOS = {
+    "two epochs": (lambda: [1, 2, 3], {"max_epochs": 2}, None),
+    "epoch shorter than the data": (lambda: list(range(5)), {"epoch_length": 3, "max_epochs": 3},
+                                    None),
+    "data runs dry mid-epoch": (lambda: list(range(5)), {"epoch_length": 7, "max_epochs": 2}, None),
+    "data runs dry twice an epoch": (lambda: [1, 2], {"epoch_length": 5, "max_epochs": 2}, None),
+    "unsized": (lambda: Unsized([1, 2, 3]), {"max_epochs": 2}, None),
+    "unsized, epoch length given": (lambda: Unsized([1, 2, 3]),
+                                    {"epoch_length": 2, "max_epochs": 3}, None),
+    "one-pass iterator runs out": (lambda: iter(range(5)), {"epoch_length": 3, "max_epochs": 3},
+                                   None),
+    "no data": (lambda: None, {"epoch_length": 3, "max_epochs": 2}, None),
+    "max_iters": (lambda: [1, 2, 3], {"max_iters": 7}, None),
+    "terminate at ITERATION_COMPLETED": (lambda: [1, 2, 3], {"max_epochs": 3},
+                                         call_at(Events.ITERATION_COMPLETED, 4, "terminate")),
+    "terminate at GET_BATCH_STARTED": (lambda: [1, 2, 3], {"max_epochs": 3},
+                                       call_at(Events.GET_BATCH_STARTED, 4, "terminate")),
+    "terminate at GET_BATCH_COMPLETED": (lambda: [1, 2, 3], {"max_epochs": 3},
+                                         call_at(Events.GET_BATCH_COMPLETED, 4, "terminate")),
+    "terminate at ITERATION_STARTED": (lambda: [1, 2, 3], {"max_epochs": 3},
+                                       call_at(Events.ITERATION_STARTED, 5, "terminate")),
+    "terminate_epoch at ITERATION_COMPLETED": (
+        lambda: [1, 2, 3], {"max_epochs": 2},
+        call_at(Events.ITERATION_COMPLETED, 2, "terminate_epoch")),
+    "terminate_epoch at GET_BATCH_STARTED": (
+        lambda: [1, 2, 3], {"max_epochs": 2},
+        call_at(Events.GET_BATCH_STARTED, 4, "terminate_epoch")),
+    "terminate at DATALOADER_STOP_ITERATION": (
+        lambda: [1, 2], {"epoch_length": 3, "max_epochs": 2},
+        call_at(Events.DATALOADER_STOP_ITERATION, 2, "terminate")),
+    "error handled by EXCEPTION_RAISED": (lambda: [1, "boom", 3], {"max_epochs": 1}, None),
+}
+
+
+def run_both(make_data, run_kwargs, action, state=None):
+    """(Ignite's log, the trainer's log), each with the run's outcome last."""
+    logs = []
+    for engine in (Engine(echo), bare_trainer(echo)):
+        log: list = []
+        record(engine, log, action)
+        if state is not None:  # the trainer's step counters besides Ignite's own keys
+            engine.load_state_dict({**state, **{key: 0 for key in engine.state_dict_user_keys}})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.run(make_data(), **run_kwargs)
+        log.append(("warnings", [str(w.message) for w in caught]))
+        log.append(("end", engine.state.epoch, engine.state.iteration, engine.state.epoch_length))
+        logs.append(log)
+    return logs
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_trainer_fires_what_ignite_fires(scenario):
+    ignite_log, trainer_log = run_both(*SCENARIOS[scenario])
+    assert any(entry[0] == "ITERATION_COMPLETED" for entry in ignite_log)
+    assert trainer_log == ignite_log
+
+
+def test_a_resumed_epoch_starts_where_it_stopped_as_in_ignite():
+    state = {"iteration": 4, "epoch_length": 3, "max_epochs": 3}
+    ignite_log, trainer_log = run_both(lambda: [1, 2, 3], {"max_epochs": 3}, None, state)
+    assert ignite_log[0][:3] == ("STARTED", 1, 4)
+    assert trainer_log == ignite_log
+
+
+def test_an_error_without_an_exception_handler_propagates_as_in_ignite():
+    for engine in (Engine(echo), bare_trainer(echo)):
+        with pytest.raises(ValueError, match="boom"):
+            engine.run([1, "boom", 3])
+        assert engine.state.iteration == 2
+
+
+def test_handlers_added_or_removed_mid_run_take_effect_at_once():
+    trainer = bare_trainer(echo)
+    seen = []
+
+    def late(engine):
+        seen.append(("late", engine.state.iteration))
+
+    def early(engine):
+        seen.append(("early", engine.state.iteration))
+        if engine.state.iteration == 2:
+            engine.remove_event_handler(early, Events.ITERATION_COMPLETED)
+            engine.add_event_handler(Events.ITERATION_COMPLETED, late)
+
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, early)
+    trainer.run([1, 2, 3, 4])
+    assert seen == [("early", 1), ("early", 2), ("late", 3), ("late", 4)]
+
+
+def test_events_registered_as_strings_fire_by_name():
+    trainer = bare_trainer(echo)
+    trainer.register_events("custom_event")
+    seen = []
+    trainer.add_event_handler("custom_event", lambda engine: seen.append(engine.state.iteration))
+    trainer.add_event_handler(Events.ITERATION_COMPLETED,
+                              lambda engine: engine.fire_event("custom_event"))
+    trainer.run([1, 2])
+    assert seen == [1, 2]
