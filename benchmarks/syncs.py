@@ -204,18 +204,18 @@ Counted by replacing `Tensor.{"`, `Tensor.".join(SYNC_METHODS)}` with counting w
 the engine runs the tiny model (CPU, fp32; `max_grad_norm` set, so the clip path runs). Each
 call makes the host wait for the device when the tensor lives on a GPU; on this CPU every
 tensor lives in host memory, so the count also includes conversions of tensors that would
-stay on the host on a GPU (one built from Python floats for a histogram): read "where" to
-tell them apart. Phases: an iteration starts at its `GET_BATCH_STARTED`, so the fetch counts
-with its step. "Where" lists the first calling frame outside torch (torch's own Python code
-counts at its caller), with calls per iteration of the category. Not counted: syncs inside
+stay on the host on a GPU: read "where" to tell them apart. Phases: an iteration starts at
+its `GET_BATCH_STARTED`, so the fetch counts with its step. "Where" lists the first calling
+frame outside torch (torch's own Python code counts at its caller), with calls per iteration
+of the category. Not counted: syncs inside
 torch's C++ (`nonzero`, boolean masks), `.to("cpu")`/`copy_` to the host (the handlers use
 them only in `state_dict`, at checkpoint time); {gpu}.
 
 Expected: none in the step, optimizer steps included (a non-finite update is kept off the
 weights on the device, and its outcome is read one micro-batch later from a host copy), none
 from the handlers between log intervals, one at a log interval (the telemetry's read). A
-step's events follow at the next micro-batch's `GET_BATCH_STARTED`, before its phase
-marker, so what they cost counts with the step's own iteration.
+step's events follow as the next micro-batch starts, before its `GET_BATCH_STARTED` and its
+phase marker, so what they cost counts with the step's own iteration.
 
 {table(["scenario", "iterations", "how many", "syncs per iteration", "expected",
         "where (calls per iteration)"], rows)}"""

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from ignite.engine import Engine, Events
+from torch.utils.hooks import RemovableHandle
 from tqdm import tqdm
 
 from engine import Trainer, TrainEvents
@@ -37,7 +38,8 @@ class GradientTelemetry:
     """Gradient norms, clipping, AMP scale and train loss, summarised every ``log_every`` steps.
 
     ``attach(trainer)`` listens to ``TrainEvents.OPTIMIZER_STEP`` (every applied
-    step), ``Events.ITERATION_COMPLETED`` (the micro-batch losses), and
+    step), ``TrainEvents.STEP_SKIPPED``, ``Events.ITERATION_COMPLETED`` when the trainer
+    accumulates (the losses of a window's earlier micro-batches), and
     ``Events.COMPLETED``/``Events.TERMINATE``. Between reports nothing runs on the
     device: the step's pre-clip norm and each micro-batch's loss, already device
     scalars, are only kept in lists. Every ``log_every`` optimizer steps one transfer
@@ -50,9 +52,9 @@ class GradientTelemetry:
     step is clipped when its norm exceeds it). The report is kept as ``latest`` and
     passed to every ``add_listener`` callback.
 
-    With ``layer_every`` (a multiple of ``log_every``), an optimizer step pre-hook
-    measures each parameter's gradient norm (unscaled, clipped) just before
-    ``optimizer.step()`` on those steps; the step zeroes the gradients before
+    With ``layer_every`` (a multiple of ``log_every``), an optimizer step pre-hook,
+    registered for those steps only, measures each parameter's gradient norm (unscaled,
+    clipped) just before their ``optimizer.step()``; the step zeroes the gradients before
     ``OPTIMIZER_STEP`` fires. At the end of the run the partial interval is reported
     and one ``health_line()`` is printed. Attach it before step-based checkpoints, so
     that a checkpoint taken at a step already holds that step's numbers.
@@ -96,6 +98,7 @@ class GradientTelemetry:
         self._scale: torch.Tensor | None = None
         self._layer_names: list[str] = []
         self._layer_norms: list[torch.Tensor] = []
+        self._layer_hook: RemovableHandle | None = None  # set before a layer_every step
         # The run so far, on the host, filled at each read.
         self._norm_history = array("f")
         self._clipped_total = 0
@@ -106,23 +109,31 @@ class GradientTelemetry:
         self._trainer = trainer
         self._move_to(trainer.precision.device)  # a state loaded before attaching
         trainer.add_event_handler(Events.STARTED, self._on_started)
-        trainer.add_event_handler(Events.ITERATION_COMPLETED, self._on_micro_batch)
+        # Every micro-batch's loss counts. A window of one has a step event, applied or
+        # skipped, that brings it; a longer window's earlier micro-batches have none.
+        if trainer.accum_steps > 1:
+            trainer.add_event_handler(Events.ITERATION_COMPLETED, self._add_loss)
         trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP, self)
+        trainer.add_event_handler(TrainEvents.STEP_SKIPPED, self._on_skipped)
         trainer.add_event_handler(Events.COMPLETED, self._on_end)
         trainer.add_event_handler(Events.TERMINATE, self._on_end)
-        if self.layer_every is not None:
-            trainer.optimizer.register_step_pre_hook(self._measure_layers)
 
     def add_listener(self, listener: Callable[[TelemetryReport], None]) -> None:
         self._listeners.append(listener)
 
     def __call__(self, engine: Engine) -> None:
-        output = engine.state.output
-        self._add_loss(engine)  # for a step event fired inside its micro-batch
+        # Runs at every optimizer step: _add_loss and _arm_layer_hook's tests inline.
+        state = engine.state
+        output = state.output
+        if state.iteration != self._loss_iteration:
+            self._losses.append(output["loss"])
+            self._loss_iteration = state.iteration
         self._norms.append(output["grad_norm"])
         self._scale = output.get("scale")
         if len(self._norms) == self.log_every:
             self._report(engine)
+        if self.layer_every is not None and (state.optimizer_step + 1) % self.layer_every == 0:
+            self._arm_layer_hook(engine)
 
     def health_line(self) -> str:
         """The run's gradient health in one line (steps read so far)."""
@@ -177,20 +188,32 @@ class GradientTelemetry:
 
     def _on_started(self, engine: Engine) -> None:
         self._health_printed = False
+        self._arm_layer_hook(engine)
 
-    def _on_micro_batch(self, engine: Engine) -> None:
+    def _on_skipped(self, engine: Engine) -> None:
         self._add_loss(engine)
+        self._arm_layer_hook(engine)  # a skipped step leaves its number to the next
 
     def _add_loss(self, engine: Engine) -> None:
-        # The trainer fires a step's event after its micro-batch's ITERATION_COMPLETED; a
-        # process function that fires it from inside comes first. Each loss counts once.
+        # A loss can come twice: at its micro-batch's ITERATION_COMPLETED and its step's
+        # event. Each counts once.
         if engine.state.iteration != self._loss_iteration:
             self._losses.append(engine.state.output["loss"])
             self._loss_iteration = engine.state.iteration
 
+    def _arm_layer_hook(self, engine: Engine) -> None:
+        """Hook ``_measure_layers`` before the optimizer's next step when that step is on
+        the ``layer_every`` cadence: only there (it unhooks itself), since a step pre-hook
+        costs at every step even when it returns at once."""
+        if self.layer_every is None or self._layer_hook is not None:
+            return
+        if (engine.state.optimizer_step + 1) % self.layer_every == 0:
+            self._layer_hook = self._trainer.optimizer.register_step_pre_hook(
+                self._measure_layers)
+
     def _measure_layers(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if (self._trainer.state.optimizer_step + 1) % self.layer_every:
-            return  # the step counter moves after optimizer.step(): this is step counter + 1
+        self._layer_hook.remove()
+        self._layer_hook = None
         model = getattr(self._trainer.model, "module", self._trainer.model)  # DDP: no "module."
         named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
         if named:

@@ -24,9 +24,10 @@ class StartupCheckError(ValueError):
 class StartupChecks:
     """Check the first batch of each session (at ``GET_BATCH_COMPLETED``) and, on a fresh
     run, the first micro-batch's loss (at ``ITERATION_COMPLETED``); print one ``check:``
-    line per finding to ``stream`` (stdout by default). After the first iteration each
-    handler returns at once (a flag test: removing a handler while its event fires would
-    make Ignite skip the next one).
+    line per finding to ``stream`` (stdout by default). The two checks are attached at
+    each ``STARTED`` and detach themselves after their one run: a handler that only
+    returns costs at every iteration (Ignite fires from the list it started with, so
+    detaching inside an event skips no other handler).
 
     - every floating-point tensor of the batch must be finite: a warning names the
       tensor's place in the batch and how many values are not;
@@ -51,25 +52,23 @@ class StartupChecks:
         self.num_classes, self.loss_tolerance, self.stream = num_classes, loss_tolerance, stream
         self.findings: list[str] = []
         self._fresh = True
-        self._batch_pending = self._loss_pending = False
 
     def attach(self, trainer: Trainer) -> None:
         trainer.add_event_handler(Events.STARTED, self._on_started)
-        trainer.add_event_handler(Events.GET_BATCH_COMPLETED, self._check_batch)
-        trainer.add_event_handler(Events.ITERATION_COMPLETED, self._check_loss)
 
     def _on_started(self, trainer: Engine) -> None:
         self._fresh = trainer.state.iteration == 0
-        self._batch_pending = self._loss_pending = True
+        for event, check in ((Events.GET_BATCH_COMPLETED, self._check_batch),
+                             (Events.ITERATION_COMPLETED, self._check_loss)):
+            if not trainer.has_event_handler(check, event):  # a run that ended before it
+                trainer.add_event_handler(event, check)
 
     def _say(self, line: str) -> None:
         self.findings.append(line)
         print(f"check: {line}", file=self.stream or sys.stdout, flush=True)
 
     def _check_batch(self, trainer: Engine) -> None:
-        if not self._batch_pending:
-            return
-        self._batch_pending = False
+        trainer.remove_event_handler(self._check_batch, Events.GET_BATCH_COMPLETED)
         batch = trainer.state.batch
         for place, tensor in _tensors(batch):
             if tensor.is_floating_point():
@@ -86,9 +85,7 @@ class StartupChecks:
                     f"{self.num_classes} classes: labels must lie in [0, {self.num_classes})")
 
     def _check_loss(self, trainer: Engine) -> None:
-        if not self._loss_pending:
-            return
-        self._loss_pending = False
+        trainer.remove_event_handler(self._check_loss, Events.ITERATION_COMPLETED)
         if self.num_classes is None or not self._fresh:
             return
         loss = float(trainer.state.output["loss"])

@@ -1,21 +1,19 @@
 """TensorBoard: train curves from gradient telemetry, validation metrics, throughput, hparams."""
 
 import numbers
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
+import numpy as np
 import torch
 from ignite.engine import Engine, Events
 from tensorboard.compat.proto.summary_pb2 import Summary
-from tensorboard.summary.writer import record_writer
-from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import histogram
 from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
 from engine import Trainer
+from handlers.event_file import EventFile, tensorflow_bins
 from handlers.goal import check_mode, is_better
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
 
@@ -30,26 +28,6 @@ TRAIN_TAGS = {
     "amp_scale": "train/amp_scale",
     "skipped_steps": "train/skipped_steps",
 }
-# Telemetry reports held before they go to the writer together (see TensorBoardLogger).
-REPORTS_PER_HANDOFF = 10
-
-
-def masked_crc32c(data: bytes) -> int:
-    """The TFRecord checksum of ``data`` (CRC32C, rotated and offset), computed in C."""
-    crc = google_crc32c.value(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def use_c_record_checksums() -> None:
-    """Make TensorBoard's event writer checksum records in C.
-
-    Without TensorFlow it checksums every record twice with a pure-Python CRC32C: about
-    90 µs for one 190-byte telemetry report, on the writer thread, which holds the GIL
-    while the training loop waits for it. ``google_crc32c`` gives the same values in
-    under a microsecond. The writer has no hook for it, so the module's function is
-    replaced; the bytes on disk are the same.
-    """
-    record_writer.masked_crc32c = masked_crc32c
 
 
 class TensorBoardLogger:
@@ -74,24 +52,18 @@ class TensorBoardLogger:
       ``"min"`` or ``"max"`` as ``handlers.goal`` ranks them; a metric it does not
       name is logged but has no best) and close.
 
-    Built on ``torch.utils.tensorboard.SummaryWriter`` rather than Ignite's
-    ``TensorboardLogger``: Ignite's output handlers call ``.item()`` on tensors at
-    every event they log and count their own event steps, while our values arrive as
-    floats at the telemetry's cadence, and the HParams entry must go through the
-    writer's own ``file_writer`` to land in this run rather than in the sub-run that
-    ``add_hparams`` creates. Writes are flushed by every ``state_dict()`` (each
-    checkpoint), every evaluation and ``close()``, not at each report: a flush is a
-    system call that waits for the writer thread. Records are checksummed in C (see
-    ``use_c_record_checksums``). Telemetry reports go to the writer
-    ``REPORTS_PER_HANDOFF`` at a time, with the wall time of each report, and before
-    anything else is written or flushed: each hand-off wakes the writer's thread, which
-    opens, appends to and closes the file once a record while holding the GIL, and one
-    wake-up a report cost the step loop about 40 µs an iteration on this CPU. So the
-    curves on disk reach at least the newest checkpoint, and a resumed run writes the
-    rest again. The run layer closes the logger when a run ends by an exception; no
-    ``EXCEPTION_RAISED`` handler is registered, since Ignite swallows the exception once
-    one exists. Attach it after handlers that evaluate on ``COMPLETED`` so the HParams
-    entry sees their metrics.
+    Built on TensorBoard's protos and summary builders rather than Ignite's
+    ``TensorboardLogger``: Ignite's output handlers call ``.item()`` on tensors at every
+    event they log and count their own event steps, while our values arrive as floats at
+    the telemetry's cadence. The file is written by ``EventFile``, the process's own
+    buffered writes rather than TensorBoard's writer thread (which opens and closes the
+    file for every record), so the HParams entry lands in this run too. A telemetry
+    report is one event. Writes reach the OS at every ``state_dict()`` (each checkpoint),
+    every evaluation and ``close()``, and when the buffer fills: the curves on disk reach
+    at least the newest checkpoint, and a resumed run writes the rest again. The run
+    layer closes the logger when a run ends by an exception; no ``EXCEPTION_RAISED``
+    handler is registered, since Ignite swallows the exception once one exists. Attach it
+    after handlers that evaluate on ``COMPLETED`` so the HParams entry sees their metrics.
 
     Example::
 
@@ -118,12 +90,13 @@ class TensorBoardLogger:
         for name, mode in modes.items():
             check_mode(mode, f"modes[{name!r}]")
         self.hparams, self.batch_size, self.modes = hparams, batch_size, modes
-        use_c_record_checksums()
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.writer = EventFile(log_dir)
+        # TensorBoard's default bucket edges (~1500) as an array once: the histogram would
+        # convert the list at every call, four fifths of its cost.
+        self._bins = np.asarray(tensorflow_bins())
         self.best: dict[str, float] = {}  # validation metric -> best value so far
         self._trainer: Trainer | None = None
         self._epoch_start_iteration = 0
-        self._held: list[tuple[Summary, int, float]] = []  # (summary, step, wall time)
 
     def attach(
         self, trainer: Trainer, telemetry: GradientTelemetry, evaluator: Engine | None = None
@@ -137,20 +110,17 @@ class TensorBoardLogger:
             evaluator.add_event_handler(Events.COMPLETED, self._on_validation)
 
     def close(self) -> None:
-        self._hand_off()
         self.writer.close()
 
     def log_now(self, scalars: Mapping[str, float], step: int) -> None:
-        """Write ``scalars`` (tag -> value) at ``step`` and flush, after the held reports."""
-        self._hand_off()
-        for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, step)
+        """Write ``scalars`` (tag -> value) at ``step`` and flush."""
+        self.writer.add_summary(Summary(value=[_scalar(tag, value)
+                                               for tag, value in scalars.items()]), step)
         self.writer.flush()
 
     def state_dict(self) -> dict[str, dict[str, float]]:
         # Every checkpoint saves this: the curves up to it are on disk when it is, and a
         # resumed run writes the rest again.
-        self._hand_off()
         self.writer.flush()
         return {"best": dict(self.best)}
 
@@ -158,26 +128,27 @@ class TensorBoardLogger:
         self.best = dict(state["best"])
 
     def _on_report(self, report: TelemetryReport) -> None:
-        values = [_scalar(TRAIN_TAGS.get(name, f"train/{name}"), value)  # train/lr/<group>
-                  for name, value in report.stats.items()]
-        values += [_scalar(f"train/layer_grad_norm/{name}", value)
-                   for name, value in report.top_layer_norms.items()]
+        # One event for all values; each added in place (building Summary.Value objects
+        # and passing them in copies each: twice the cost).
+        summary = Summary()
+        add = summary.value.add
+        for name, value in report.stats.items():
+            add(tag=TRAIN_TAGS.get(name, f"train/{name}"), simple_value=float(value))
+        for name, value in report.top_layer_norms.items():
+            add(tag=f"train/layer_grad_norm/{name}", simple_value=float(value))
         if report.grad_norms:
-            norms = torch.tensor(report.grad_norms)
-            values += histogram("train/grad_norm_hist", norms, bins=self.writer.default_bins).value
-        self._hold(values, report.step)
-        if len(self._held) >= REPORTS_PER_HANDOFF:
-            self._hand_off()
+            norms = np.array(report.grad_norms, dtype=np.float32)
+            summary.value.extend(histogram("train/grad_norm_hist", norms, bins=self._bins).value)
+        self.writer.add_summary(summary, report.step)
 
     def _on_validation(self, evaluator: Engine) -> None:
-        self._hand_off()
         step = self._trainer.state.optimizer_step
         for name, value in evaluator.state.metrics.items():
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()  # once per evaluation
             if not isinstance(value, numbers.Real):
                 continue  # e.g. a confusion matrix
-            self.writer.add_scalar(f"val/{name}", value, step)
+            self.writer.add_summary(Summary(value=[_scalar(f"val/{name}", value)]), step)
             mode = self.modes.get(name)
             if mode is not None and is_better(value, self.best.get(name), mode):
                 self.best[name] = float(value)
@@ -190,28 +161,19 @@ class TensorBoardLogger:
         step, seconds = trainer.state.optimizer_step, trainer.state.times["EPOCH_COMPLETED"]
         batch_size = self.batch_size or _leading_size(trainer.state.batch)
         iterations = trainer.state.iteration - self._epoch_start_iteration
-        self._hold([_scalar("perf/epoch_time_sec", seconds),
-                    _scalar("perf/samples_per_sec", iterations * batch_size / seconds)], step)
-        self._hand_off()
-
-    def _hold(self, values: list[Summary.Value], step: int) -> None:
-        # One event for all of them: the writer's cost is per record, not per value.
-        self._held.append((Summary(value=values), step, time.time()))
-
-    def _hand_off(self) -> None:
-        """Queue the held records on the writer, in order, with their own wall times."""
-        for summary, step, wall_time in self._held:
-            self.writer.file_writer.add_summary(summary, step, wall_time)
-        self._held.clear()
+        self.writer.add_summary(Summary(value=[
+            _scalar("perf/epoch_time_sec", seconds),
+            _scalar("perf/samples_per_sec", iterations * batch_size / seconds)]), step)
+        self.writer.flush()
 
     def _on_completed(self, trainer: Engine) -> None:
-        self._hand_off()
         if self.hparams is not None:
             metrics = {f"best/val/{name}": value for name, value in self.best.items()}
             for summary in hparams_summaries(flatten(self.hparams), metrics):
-                self.writer.file_writer.add_summary(summary)
+                self.writer.add_summary(summary)
             for tag, value in metrics.items():
-                self.writer.add_scalar(tag, value, trainer.state.optimizer_step)
+                self.writer.add_summary(Summary(value=[_scalar(tag, value)]),
+                                        trainer.state.optimizer_step)
         self.close()
 
 

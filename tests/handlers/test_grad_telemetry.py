@@ -51,8 +51,9 @@ def scripted_trainer(script, max_grad_norm=1.0, scale=None):
         return output
 
     scaler = torch.amp.GradScaler("cpu", enabled=False)
+    # It accumulates (its first window has two micro-batches): accum_steps says so.
     return Trainer(
-        step, model, optimizer, scaler, resolve_precision("fp32"), 1, max_grad_norm, guard
+        step, model, optimizer, scaler, resolve_precision("fp32"), 2, max_grad_norm, guard
     )
 
 
@@ -177,6 +178,37 @@ def test_real_trainer_norms_layer_norms_and_histogram_match_a_reference_loop():
         largest = max(per_parameter[step - 1].items(), key=lambda item: item[1])
         assert report.top_layer_norms == pytest.approx(dict([largest]), rel=1e-5)
         assert report.grad_norms == pytest.approx(pre_clip[step - 4 : step], rel=1e-5)
+
+
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_every_micro_batch_loss_counts_applied_or_skipped(accum_steps):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             nn.functional.mse_loss, accum_steps=accum_steps)
+    vetoes = iter([False, True, False])  # the second window is held back: a finite skip
+    trainer.set_step_veto(lambda losses, norm: torch.tensor(next(vetoes)))
+    losses = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED,
+                              lambda e: losses.append(float(e.state.output["loss"])))
+    data = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(3 * accum_steps)]
+    reports = run_with_reports(trainer, GradientTelemetry(log_every=2), data)
+    assert trainer.state.skipped_steps == 1 and [r.step for r in reports] == [2]
+    assert reports[0].stats["loss_mean"] == pytest.approx(sum(losses) / len(losses))
+
+
+def test_the_layer_hook_is_on_the_optimizer_only_for_layer_steps():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_trainer(model, optimizer, nn.functional.mse_loss)
+    hooked = []  # at each micro-batch's start, once the previous step has settled
+    trainer.add_event_handler(Events.ITERATION_STARTED,
+                              lambda e: hooked.append(len(optimizer._optimizer_step_pre_hooks)))
+    data = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(8)]
+    reports = run_with_reports(trainer, GradientTelemetry(2, layer_every=4), data)
+    assert hooked == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert [bool(r.top_layer_norms) for r in reports] == [False, True, False, True]
 
 
 def test_fp16_trainer_reports_the_scale_and_fp32_does_not():

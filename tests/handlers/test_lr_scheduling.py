@@ -12,6 +12,8 @@ from engine import TrainEvents, create_trainer
 from handlers.lr_scheduling import (
     SCHEDULER_NAMES,
     LRSchedulerHandler,
+    StepwiseLambdaLR,
+    WarmupCosine,
     build_scheduler,
     continue_with_new_settings,
     optimizer_steps_per_epoch,
@@ -153,6 +155,37 @@ def test_warmup_cosine_starts_at_the_start_factor_and_peaks_after_warmup():
     assert lrs[10] == pytest.approx(LR)
     assert lrs[:11] == sorted(lrs[:11]) and lrs[10:] == sorted(lrs[10:], reverse=True)
     assert lrs[30] == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_stepwise_lambda_lr_steps_exactly_as_lambda_lr(tensor_lr):
+    def make(kind):
+        model = nn.Linear(3, 2)
+        lr = torch.tensor(LR) if tensor_lr else LR
+        optimizer = torch.optim.SGD([{"params": [model.weight]},
+                                     {"params": [model.bias], "lr": 0.03}], lr=lr)
+        return optimizer, kind(optimizer, [WarmupCosine(7, 40, 0.1, 0.05), lambda s: 0.9 ** s])
+
+    (torch_opt, torch_sched), (our_opt, our_sched) = make(lr_scheduler.LambdaLR), make(
+        StepwiseLambdaLR)
+    for _ in range(45):
+        for optimizer, scheduler in ((torch_opt, torch_sched), (our_opt, our_sched)):
+            optimizer.step()
+            scheduler.step()
+        assert [g["lr"] for g in our_opt.param_groups] == [g["lr"] for g in torch_opt.param_groups]
+        assert our_sched.get_last_lr() == torch_sched.get_last_lr()
+        assert our_sched.state_dict() == torch_sched.state_dict()
+    assert our_sched.last_epoch == 45 and our_sched._step_count == 46
+    if tensor_lr:  # filled in place, and the last LRs are copies of it
+        assert isinstance(our_opt.param_groups[0]["lr"], torch.Tensor)
+        assert our_sched.get_last_lr()[0] is not our_opt.param_groups[0]["lr"]
+
+
+def test_stepwise_lambda_lr_warns_like_torch_when_stepped_before_the_optimizer():
+    optimizer = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=LR)
+    scheduler = StepwiseLambdaLR(optimizer, lambda step: 0.5 ** step)
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
+        scheduler.step()
 
 
 def test_skipped_steps_do_not_advance_the_step_clock():

@@ -66,6 +66,23 @@ def test_a_resumed_run_checks_its_batch_but_not_its_first_loss(make_mlp, make_ba
     assert len(checks.findings) == 1 and "NaN/Inf" in checks.findings[0]
 
 
+def test_the_checks_leave_the_trainer_after_the_first_iteration_of_each_run(
+        make_mlp, make_batches):
+    from ignite.engine import Events
+    trainer = _trainer(make_mlp())
+    checks = StartupChecks(4, stream=io.StringIO())
+    checks.attach(trainer)
+    attached = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda engine: attached.append(
+        (trainer.has_event_handler(checks._check_batch, Events.GET_BATCH_COMPLETED),
+         trainer.has_event_handler(checks._check_loss, Events.ITERATION_COMPLETED))))
+    trainer.run(make_batches(3))
+    # The loss check runs after this handler at the first iteration, then is gone too.
+    assert attached == [(False, True), (False, False), (False, False)]
+    trainer.run(make_batches(2), max_epochs=1)  # a new run (iteration reset): checked again
+    assert len(checks.findings) == 2 and attached[3:] == [(False, True), (False, False)]
+
+
 @pytest.mark.parametrize(("kwargs", "named"), [
     ({"num_classes": 1}, "num_classes"), ({"num_classes": True}, "num_classes"),
     ({"loss_tolerance": 0}, "loss_tolerance"), ({"loss_tolerance": 1.5}, "loss_tolerance"),

@@ -1,21 +1,16 @@
-import os
 
 import pytest
 import torch
 from ignite.engine import Events
 from ignite.metrics import Accuracy, Loss
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.compat.proto import event_pb2
-from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
-from tensorboard.compat.tensorflow_stub.errors import OutOfRangeError
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
-from tensorboard.summary.writer import record_writer
 from torch import nn
 
-import handlers.tensorboard as tensorboard_module
 from engine import create_evaluator, create_trainer
+from handlers.event_file import read_events
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
-from handlers.tensorboard import REPORTS_PER_HANDOFF, TensorBoardLogger, flatten, masked_crc32c
+from handlers.tensorboard import TensorBoardLogger, flatten
 
 BATCH, BATCHES = 5, 8
 HPARAMS = {"optimizer": {"name": "sgd", "lr": 0.1}, "epochs": 2, "amp": False, "milestones": (3, 6)}
@@ -165,52 +160,21 @@ def test_a_checkpoint_of_the_logger_puts_its_curves_on_disk_first(tmp_path):
     logger.close()  # the run layer closes it again after an exception: harmless
 
 
-@pytest.mark.parametrize("size", [0, 1, 8, 190, 4099])
-def test_the_c_checksum_equals_tensorboards_own(size):
-    data = os.urandom(size)
-    assert masked_crc32c(data) == pywrap_tensorflow.masked_crc32c(data)
-
-
 def read_records(log_dir):
-    """Every event of the run's one file, through TensorBoard's reader, which checks both
-    CRCs of each record."""
+    """Every event of the run's one file, CRC-checked."""
     (path,) = log_dir.glob("events.out.tfevents.*")
-    reader = pywrap_tensorflow.PyRecordReader_New(str(path))
-    events = []
-    while True:
-        try:
-            reader.GetNext()
-        except OutOfRangeError:
-            return events
-        events.append(event_pb2.Event.FromString(reader.record()))
+    return read_events(path)
 
 
-def test_records_are_checksummed_in_c_and_pass_tensorboards_own_check(tmp_path):
+def test_reports_reach_the_file_at_each_checkpoint_each_in_one_event(tmp_path):
     logger = TensorBoardLogger(tmp_path)
-    assert record_writer.masked_crc32c is masked_crc32c
     for step in (10, 20):
-        logger._on_report(TelemetryReport(step=step, stats={"loss_mean": step / 10}))
-    logger.close()
-    # The file version record, then the two reports.
-    assert [event.step for event in read_records(tmp_path)] == [0, 10, 20]
-
-
-def test_reports_are_held_then_written_together_with_their_own_wall_times(tmp_path, monkeypatch):
-    logger = TensorBoardLogger(tmp_path)
-    clock = iter(range(1000, 2000))
-    monkeypatch.setattr(tensorboard_module.time, "time", lambda: float(next(clock)))
-    held = REPORTS_PER_HANDOFF - 1
-    for step in range(1, held + 1):
-        logger._on_report(TelemetryReport(step=step, stats={"loss_mean": 1.0}))
-    logger.writer.flush()
-    assert [event.step for event in read_records(tmp_path)] == [0]  # nothing handed off yet
-    logger._on_report(TelemetryReport(step=held + 1, stats={"loss_mean": 1.0}))
-    logger._on_report(TelemetryReport(step=held + 2, stats={"loss_mean": 1.0}))  # held again
-    logger.writer.flush()
-    assert [event.step for event in read_records(tmp_path)][1:] == list(range(1, held + 2))
-    logger.log_now({"health/rollbacks": 1.0}, step=held + 2)  # the held report goes first
+        logger._on_report(TelemetryReport(step=step, stats={"loss_mean": step / 10, "lr": 0.1}))
+    assert [event.step for event in read_records(tmp_path)] == [0]  # still in the buffer
+    logger.state_dict()  # what each checkpoint save calls
     events = read_records(tmp_path)[1:]
-    assert [(e.step, e.summary.value[0].tag) for e in events[-2:]] == [
-        (held + 2, "train/loss"), (held + 2, "health/rollbacks")]
-    assert [e.wall_time for e in events[:-1]] == [1000.0 + i for i in range(held + 2)]
+    assert [(e.step, [v.tag for v in e.summary.value]) for e in events] == [
+        (10, ["train/loss", "train/lr"]), (20, ["train/loss", "train/lr"])]
+    logger.log_now({"health/rollbacks": 1.0}, step=20)  # written and flushed at once
+    assert read_records(tmp_path)[-1].summary.value[0].tag == "health/rollbacks"
     logger.close()
