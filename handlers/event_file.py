@@ -6,7 +6,8 @@ holding the GIL while it runs Python; without TensorFlow it also checksums in pu
 Python (~90 µs a 190-byte record). In a training loop that is a wake-up, three system
 calls and a GIL hand-over per record, paid by the step loop. ``EventFile`` writes the
 same bytes (TFRecord framing, CRC32C in C through ``google_crc32c``, the same first
-``file_version`` record and file name scheme) into this process's file buffer: a record
+``file_version`` record, TensorBoard's file name with a suffix) into this process's file
+buffer: a record
 costs a serialisation and a buffered write, and the OS gets the bytes at ``flush()``,
 when the buffer fills, and at ``close()``.
 """
@@ -25,6 +26,10 @@ from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
 from tensorboard.compat.tensorflow_stub.errors import OutOfRangeError
 
 _file_numbers = itertools.count()  # two files of one process in one second stay apart
+# TensorBoard reads any file with "tfevents" in its name. Without this suffix a
+# SummaryWriter made by the same process in the same second (a recipe's own, for text)
+# would get the very same name, open it with "wb" and wipe this file.
+SUFFIX = ".engine"
 
 
 def masked_crc32c(data: bytes) -> int:
@@ -44,7 +49,7 @@ def tensorflow_bins() -> list[float]:
 
 
 class EventFile:
-    """Appends events to a new ``events.out.tfevents.*`` file in ``log_dir``.
+    """Appends events to a new ``events.out.tfevents.*.engine`` file in ``log_dir``.
 
     Example::
 
@@ -56,10 +61,15 @@ class EventFile:
     def __init__(self, log_dir: str | Path) -> None:
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
-        name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-                f"{os.getpid()}.{next(_file_numbers)}")
-        self.path = log_dir / name
-        self._file = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+        while True:  # "x": a name taken already is never opened again
+            self.path = log_dir / (f"events.out.tfevents.{int(time.time()):010d}."
+                                   f"{socket.gethostname()}.{os.getpid()}."
+                                   f"{next(_file_numbers)}{SUFFIX}")
+            try:
+                self._file = open(self.path, "xb")  # noqa: SIM115 - closed by close()
+                break
+            except FileExistsError:
+                continue
         self.add_event(Event(wall_time=time.time(), file_version="brain.Event:2"))
         self.flush()
 

@@ -1,8 +1,10 @@
 import os
+import time
 
 import pytest
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+from tensorboard.summary.writer import event_file_writer
 from torch.utils.tensorboard import SummaryWriter
 
 from handlers.event_file import EventFile, masked_crc32c, read_events, tensorflow_bins
@@ -52,3 +54,20 @@ def test_two_files_of_one_process_get_two_names(tmp_path):
     assert first.path != second.path
     first.close()
     second.close()
+
+
+def test_a_summary_writer_of_the_same_process_and_second_leaves_the_file_alone(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(time, "time", lambda: 1_795_000_000.5)  # one second for both
+    events = EventFile(tmp_path)
+    events.add_summary(scalar("ours", 1.0), step=1)
+    # TensorBoard's writer numbers its files from a counter of its own: give it ours.
+    number = int(events.path.name.split(".")[6])
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(number))
+    with SummaryWriter(str(tmp_path)) as writer:  # TensorBoard's name scheme
+        writer.add_scalar("theirs", 2.0, 1)
+    events.add_summary(scalar("ours", 3.0), step=2)
+    events.close()
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+    ours = [(e.step, e.summary.value[0].simple_value) for e in read_events(events.path)[1:]]
+    assert ours == [(1, 1.0), (2, 3.0)]
