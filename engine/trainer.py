@@ -79,6 +79,8 @@ class Trainer(Engine):
         self._handlers_by_name: dict[str, list] = {}
         self._log_events = False  # whether _fire_event logs each event (at DEBUG)
         super().__init__(process_function)
+        # Read again at every epoch's start: a level set later shows from the next epoch.
+        self._log_events = self.logger.isEnabledFor(logging.DEBUG)
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.precision = precision
         self.accum_steps, self.max_grad_norm = accum_steps, max_grad_norm
