@@ -150,7 +150,8 @@ def test_no_weight_decay_on_biases_norms_and_embeddings():
 # --- the command line --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+# AdamW in `make test-slow`: the end-to-end path is the same, only the optimizer differs.
+@pytest.mark.parametrize("optimizer", [pytest.param("adamw", marks=pytest.mark.slow), "muon"])
 def test_tiny_run_end_to_end_then_a_resume_finds_it_complete(optimizer, tmp_path):
     write_text_folder(tmp_path / "text")
     args = ["--text", "text", *TINY_RUN, "--optimizer", optimizer, "--run-name", "tiny"]

@@ -372,6 +372,7 @@ def test_a_run_on_image_folders(tmp_path):
     assert json.loads((run_dir / "config.json").read_text())["config"]["data_dir"] == "images"
 
 
+@pytest.mark.slow  # reads 50,000 JPEGs' file list and decodes a slice: about 20 s
 @pytest.mark.skipif(not SHARED_CIFAR.is_dir(), reason=f"no CIFAR-10 at {SHARED_CIFAR}")
 def test_a_run_on_a_slice_of_the_real_set(tmp_path):
     """Decoding all 60k JPEGs takes ~12 s here (then the first 512/256 are kept)."""
@@ -389,6 +390,8 @@ def test_a_run_on_a_slice_of_the_real_set(tmp_path):
 # --- resume -------------------------------------------------------------------------------
 
 
+# These resume cases run in `make test-slow`: `make test` covers a kill and a SIGTERM of the
+# same command through tests/reliability (test_kill.py, test_signals.py).
 @pytest.fixture(scope="module", params=["sgd", "muon"])
 def uninterrupted(request, tmp_path_factory) -> tuple[list[str], dict[str, torch.Tensor]]:
     """(the run's arguments, its final weights), once per optimizer."""
@@ -399,6 +402,7 @@ def uninterrupted(request, tmp_path_factory) -> tuple[list[str], dict[str, torch
     return args, final_weights(cwd / "runs" / "cifar" / "full")
 
 
+@pytest.mark.slow
 def test_a_killed_run_rerun_with_the_same_command_ends_bit_identical(uninterrupted, tmp_path):
     """Killed (os._exit, like SIGKILL) as it starts its 3rd save, at step 3 of epoch 1; the
     same command then resumes from the step-2 checkpoint, mid-epoch."""
@@ -417,6 +421,7 @@ def test_a_killed_run_rerun_with_the_same_command_ends_bit_identical(uninterrupt
     assert summary["optimizer_steps"] == 8 and summary["epochs_completed"] == 2
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_stops_then_the_same_command_finishes_bit_identical(
     uninterrupted, tmp_path
 ):

@@ -86,6 +86,7 @@ def test_two_concurrent_starts_one_trains_like_a_lone_run_the_other_exits_2(tmp_
                                  str(run_dir)], cwd=tmp_path, env={**os.environ, **faults},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
+    lone = start(tmp_path / "lone")  # the run to compare with, beside the rest
     first = start(tmp_path / "shared", RELIABILITY_SIGNAL_AT="SIGSTOP:iteration:3")
     deadline = time.monotonic() + TIMEOUT_SEC
     while not _stopped(first.pid):
@@ -99,7 +100,6 @@ def test_two_concurrent_starts_one_trains_like_a_lone_run_the_other_exits_2(tmp_
     assert digests(tmp_path / "shared") == before
     os.kill(first.pid, signal.SIGCONT)
     assert first.wait(timeout=TIMEOUT_SEC) == 0
-    lone = start(tmp_path / "lone")
     assert lone.wait(timeout=TIMEOUT_SEC) == 0
 
     def weights(run_dir: Path) -> dict[str, torch.Tensor]:
