@@ -7,6 +7,7 @@ failures); 2 when PyTorch Lightning is missing (``pip install -e '.[bench]'``), 
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import shlex
 import sys
@@ -83,11 +84,14 @@ def gpu_section(plan: Plan, log: Log) -> str:
 def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[str], list[str]]:
     """Every section of the report, and the loss-parity failures of section 1."""
     log("1/6 engine overhead: tiny model")
-    tiny = overhead.measure(tiny_workload(plan.tiny_warmup, plan.tiny_timed),
-                            plan.tiny_repeats, TINY_THREADS, log=log)
+    tiny = overhead.measure(
+        dataclasses.replace(tiny_workload(plan.tiny_warmup, plan.tiny_timed),
+                            block=plan.tiny_block),
+        plan.tiny_repeats, TINY_THREADS, log=log)
     log("1/6 engine overhead: CIFAR default model")
     cifar = overhead.measure(
-        cifar_workload(plan.cifar_warmup, plan.cifar_timed, plan.cifar_batch),
+        dataclasses.replace(cifar_workload(plan.cifar_warmup, plan.cifar_timed,
+                                           plan.cifar_batch), block=plan.cifar_block),
         plan.cifar_repeats, threads, log=log)
 
     log("2/6 host syncs")

@@ -21,19 +21,21 @@ the probe loss of the trained model.
 """
 
 import contextlib
+import functools
 import logging
 import math
 import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from ignite.engine import Engine, Events, create_supervised_trainer
 
+from benchmarks.lockstep import run_lockstep
 from benchmarks.recipe_handlers import RecipeHandlers
 from benchmarks.timing import WindowTimer
 from benchmarks.workloads import Workload
@@ -45,11 +47,18 @@ class ArmResult:
     seconds: float  # the timed window: workload.timed iterations
     end_seconds: float  # last iteration done -> the run returned
     probe_loss: float
+    blocks: tuple[float, ...] = ()  # the window's blocks of workload.block iterations
+
+    @classmethod
+    def of(cls, timer: WindowTimer, probe_loss: float) -> "ArmResult":
+        """The result of a run that just returned, its window timed by ``timer``."""
+        return cls(timer.seconds, time.perf_counter() - timer.end, probe_loss,
+                   tuple(timer.blocks))
 
 
 def hand_loop(workload: Workload, accum_steps: int = 1) -> ArmResult:
     model, optimizer = workload.fresh()
-    timer = WindowTimer(workload.warmup, workload.timed)
+    timer = WindowTimer(workload.warmup, workload.timed, workload.block)
     device, loss_fn, max_norm = torch.device("cpu"), workload.loss_fn, workload.max_grad_norm
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # fp32: every call is a no-op
     model.train()
@@ -65,12 +74,12 @@ def hand_loop(workload: Workload, accum_steps: int = 1) -> ArmResult:
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
         timer.mark(i + 1)
-    return ArmResult(timer.seconds, time.perf_counter() - timer.end, workload.probe_loss(model))
+    return ArmResult.of(timer, workload.probe_loss(model))
 
 
 def tuned_hand_loop(workload: Workload) -> ArmResult:
     model, optimizer = workload.fresh()
-    timer = WindowTimer(workload.warmup, workload.timed)
+    timer = WindowTimer(workload.warmup, workload.timed, workload.block)
     loss_fn, max_norm = workload.loss_fn, workload.max_grad_norm
     params = list(model.parameters())
     model.train()
@@ -84,15 +93,15 @@ def tuned_hand_loop(workload: Workload) -> ArmResult:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         timer.mark(i + 1)
-    return ArmResult(timer.seconds, time.perf_counter() - timer.end, workload.probe_loss(model))
+    return ArmResult.of(timer, workload.probe_loss(model))
 
 
 def _run_engine(engine: Engine, workload: Workload, model: torch.nn.Module) -> ArmResult:
-    timer = WindowTimer(workload.warmup, workload.timed)
+    timer = WindowTimer(workload.warmup, workload.timed, workload.block)
     # Registered last, so each mark comes after every other handler of the iteration.
     engine.add_event_handler(Events.ITERATION_COMPLETED, lambda e: timer.mark(e.state.iteration))
     engine.run(workload.batches, max_epochs=1)
-    return ArmResult(timer.seconds, time.perf_counter() - timer.end, workload.probe_loss(model))
+    return ArmResult.of(timer, workload.probe_loss(model))
 
 
 def our_trainer(workload: Workload) -> ArmResult:
@@ -155,7 +164,7 @@ def lightning(workload: Workload) -> ArmResult:
             timer.mark(batch_idx + 1)
 
     model, optimizer = workload.fresh()
-    timer = WindowTimer(workload.warmup, workload.timed)
+    timer = WindowTimer(workload.warmup, workload.timed, workload.block)
     for name in ("pytorch_lightning", "lightning_fabric", "lightning.pytorch"):
         logging.getLogger(name).setLevel(logging.ERROR)  # "GPU available: False" and tips
     with warnings.catch_warnings():
@@ -168,7 +177,7 @@ def lightning(workload: Workload) -> ArmResult:
             callbacks=[MarkTimer()],
         )
         trainer.fit(Module(model), train_dataloaders=_Batches(workload.batches))
-    return ArmResult(timer.seconds, time.perf_counter() - timer.end, workload.probe_loss(model))
+    return ArmResult.of(timer, workload.probe_loss(model))
 
 
 ARMS: dict[str, Callable[[Workload], ArmResult]] = {
@@ -191,9 +200,19 @@ def quiet_stdout() -> Iterator[None]:
 
 def run_arm(name: str, workload: Workload, threads: int) -> ArmResult:
     """One run of arm ``name`` with ``threads`` intra-op threads, its prints discarded."""
+    return run_arms_lockstep([name], workload, threads)[name]
+
+
+def run_arms_lockstep(names: Sequence[str], workload: Workload,
+                      threads: int) -> dict[str, ArmResult]:
+    """One run of each arm in ``names``, all at once, block by block
+    (``benchmarks.lockstep``), with ``threads`` intra-op threads, their prints discarded."""
     torch.set_num_threads(threads)
     with quiet_stdout():
-        result = ARMS[name](workload)
+        results = (run_lockstep({name: functools.partial(ARMS[name], workload)
+                                 for name in names})
+                   if len(names) > 1 else {name: ARMS[name](workload) for name in names})
     if torch.get_num_threads() != threads:
-        raise RuntimeError(f"arm {name!r} changed the thread count to {torch.get_num_threads()}")
-    return result
+        raise RuntimeError(f"an arm of {list(names)} changed the thread count to "
+                           f"{torch.get_num_threads()}")
+    return results

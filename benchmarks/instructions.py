@@ -89,8 +89,8 @@ def count(arm: str, iterations: int, marker: Path, directory: Path) -> int:
 def run_child(arm: str, iterations: int, marker: Path) -> None:
     """Inside valgrind: run the arm once with the window's edges marked."""
     library = ctypes.CDLL(str(marker))
-    timing.window_listeners.append(
-        lambda edge: library.window_open() if edge == "open" else library.window_close())
+    edges = {"open": library.window_open, "close": library.window_close}
+    timing.window_listeners.append(lambda event: edges[event]())  # one block: no "block"
     run_arm(arm, tiny_workload(WARMUP, iterations), threads=1)
 
 

@@ -4,9 +4,9 @@ Ignite's stock trainer and PyTorch Lightning, with a loss-parity check."""
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from benchmarks.arms import ARMS, ArmResult, run_arm
+from benchmarks.arms import ARMS, ArmResult, run_arms_lockstep
 from benchmarks.report import table
-from benchmarks.timing import Stats, interleaved_order
+from benchmarks.timing import MedianInterval, Stats
 from benchmarks.workloads import NEVER_REACHED_GRAD_NORM, Workload
 
 REFERENCE = "hand"
@@ -45,6 +45,7 @@ class OverheadResult:
     timed: int
     runs: dict[str, list[ArmResult]]  # arm -> one result per repeat
     threads: int = 1  # torch intra-op threads of every arm
+    block: int | None = None  # iterations per timed block (None: the whole window)
 
     def per_iteration(self, arm: str) -> list[float]:
         return [run.seconds / self.timed for run in self.runs[arm]]
@@ -54,22 +55,31 @@ class OverheadResult:
 
     def paired(self, arm: str, combine: Callable[[float, float], float],
                reference: str = REFERENCE) -> list[float]:
-        """``combine(arm, reference)`` of each repeat's per-iteration seconds: the two ran
-        back to back, so drift of the machine cancels."""
-        return [combine(a, h) for a, h in
-                zip(self.per_iteration(arm), self.per_iteration(reference), strict=True)]
+        """``combine(arm, reference)`` of the per-iteration seconds of every block the two
+        ran in the same round (``benchmarks.lockstep``): side by side, so the machine's
+        changes of speed fall on both."""
+        per_block = self.block or self.timed
+        return [combine(a / per_block, r / per_block)
+                for arm_run, reference_run in zip(self.runs[arm], self.runs[reference],
+                                                  strict=True)
+                for a, r in zip(arm_run.blocks, reference_run.blocks, strict=True)]
 
 
 def measure(workload: Workload, repeats: int, threads: int, log: Callable[[str], None],
             arms: Sequence[str] = tuple(ARMS)) -> OverheadResult:
+    """``repeats`` runs of every arm; in each repeat the arms run at once, block by block,
+    the arms' order rotated by one each repeat (and each round of blocks within it)."""
     runs: dict[str, list[ArmResult]] = {arm: [] for arm in arms}
-    for repeat, arm in interleaved_order(list(arms), repeats):
-        result = run_arm(arm, workload, threads)
-        runs[arm].append(result)
-        log(f"  {workload.name} repeat {repeat + 1}/{repeats} {arm}: "
-            f"{1e3 * result.seconds / workload.timed:.3f} ms/iteration")
+    for repeat in range(repeats):
+        shift = repeat % len(arms)
+        results = run_arms_lockstep([*arms[shift:], *arms[:shift]], workload, threads)
+        for arm in arms:
+            runs[arm].append(results[arm])
+        log(f"  {workload.name} repeat {repeat + 1}/{repeats}: " + ", ".join(
+            f"{arm} {1e3 * results[arm].seconds / workload.timed:.3f}" for arm in arms)
+            + " ms/iteration")
     return OverheadResult(workload.name, workload.batch_size, workload.warmup, workload.timed,
-                          runs, threads)
+                          runs, threads, workload.block)
 
 
 def parity_failures(result: OverheadResult, tolerance: float = LOSS_TOLERANCE) -> list[str]:
@@ -95,7 +105,7 @@ def _versus(result: OverheadResult, arm: str, reference: str, combine, digits: i
             scale: float = 1.0) -> str:
     if arm == reference or reference not in result.runs:
         return "-"
-    return Stats.of(result.paired(arm, combine, reference)).format(digits, scale)
+    return MedianInterval.of(result.paired(arm, combine, reference)).format(digits, scale)
 
 
 def tiny_table(result: OverheadResult) -> str:
@@ -127,18 +137,19 @@ def cifar_table(result: OverheadResult) -> str:
 def targets(tiny: OverheadResult, cifar: OverheadResult) -> list[str]:
     lines = []
     for arm, limit in MAX_OVERHEAD_SECONDS.items():
-        overhead = Stats.of(tiny.paired(arm, lambda a, h: a - h, TUNED)).median
-        met = "met" if overhead <= limit else "NOT met"
+        overhead = MedianInterval.of(tiny.paired(arm, lambda a, h: a - h, TUNED))
+        met = "met" if overhead.median <= limit else "NOT met"
         lines.append(f"- `{arm}` at most {1e6 * limit:.0f} µs per iteration over the tuned "
-                     f"hand loop on the tiny model: median {1e6 * overhead:.1f} µs - **{met}**.")
-    ratio = Stats.of(cifar.paired(FULL_HANDLERS, lambda a, h: h / a, TUNED)).median
-    met = "met" if ratio >= MIN_CIFAR_RATIO else "NOT met"
+                     f"hand loop on the tiny model: median {overhead.format(3, 1e6)} µs - "
+                     f"**{met}**.")
+    ratio = MedianInterval.of(cifar.paired(FULL_HANDLERS, lambda a, h: h / a, TUNED))
+    met = "met" if ratio.median >= MIN_CIFAR_RATIO else "NOT met"
     lines.append(f"- Full handler set at least {MIN_CIFAR_RATIO:g} of the tuned hand loop's "
-                 f"throughput on the CIFAR model: median ratio {ratio:.4f} - **{met}**.")
+                 f"throughput on the CIFAR model: median ratio {ratio.format(4)} - **{met}**.")
     if "lightning" in tiny.runs:
-        lightning = Stats.of(tiny.paired("lightning", lambda a, h: a - h)).median
+        lightning = MedianInterval.of(tiny.paired("lightning", lambda a, h: a - h)).median
         for arm in ("trainer", FULL_HANDLERS):
-            ours = Stats.of(tiny.paired(arm, lambda a, h: a - h)).median
+            ours = MedianInterval.of(tiny.paired(arm, lambda a, h: a - h)).median
             met = "met" if ours < lightning else "NOT met"
             lines.append(f"- `{arm}` per-iteration overhead below Lightning's on the tiny "
                          f"model: {1e6 * ours:.1f} µs vs {1e6 * lightning:.1f} µs - **{met}**.")
@@ -160,11 +171,18 @@ Every arm trains a fresh copy of the same initial model on the same batches with
 optimizer and clips the global gradient norm at {NEVER_REACHED_GRAD_NORM:g}, above every norm
 these runs reach: the clip does its full work (a global norm, a multiply of every gradient)
 but multiplies by exactly 1.0, so Ignite's stock trainer, which cannot clip, trains the same
-weights. Times cover the iterations after a warm-up: from the end of the last warm-up
-iteration to the end of the last one, every handler of those iterations included. "Run end"
-is the time from the last iteration to the run's return (the recipe's epoch checkpoint, the
-TensorBoard hparams, Lightning's teardown). Paired columns compare each repeat of an arm with
-the hand loop's run of the same repeat.
+weights. Times cover the iterations after a warm-up, every handler of those iterations
+included. "Run end" is the time from the last iteration to the run's return (the recipe's
+epoch checkpoint, the TensorBoard hparams, Lightning's teardown).
+
+**Side by side.** This machine changes speed by 20-50% within tens of milliseconds, more
+than the overheads measured here, so in each repeat all arms run at once in one thread
+(`benchmarks/lockstep.py`): each arm trains a block of iterations, then hands on to the
+next, the arms' order rotated every round. Paired columns compare every block of an arm with
+the same block of the reference loop, run in the same round, and give the median over all
+those pairs with its 95% confidence interval in parentheses (distribution-free: it holds
+the true median whatever the noise's shape). The other columns give median [min, max] over
+repeats.
 
 **Loss parity.** After training, each run's model (eval mode) computes the loss of one
 held-out probe batch; every run must match the hand loop within {LOSS_TOLERANCE:g}
@@ -177,8 +195,10 @@ probe loss by far more. {parity}
 
 ### Tiny model: Linear(32,32)-ReLU-Linear(32,10), batch {tiny.batch_size}
 
-{tiny.warmup} warm-up + {tiny.timed} timed iterations per repeat, {len(tiny.runs[REFERENCE])}
-repeats, {tiny.threads} intra-op thread(s): the overhead is host-side Python, and on this
+{tiny.warmup} warm-up + {tiny.timed} timed iterations per repeat in blocks of
+{tiny.block or tiny.timed}, {len(tiny.runs[REFERENCE])} repeats
+({len(tiny.paired(REFERENCE, lambda a, h: a))} paired blocks per arm), {tiny.threads}
+intra-op thread(s): the overhead is host-side Python, and on this
 model a second thread only spin-waits (on a shared 2-core machine it spread the hand loop's
 repeats over 770-1210 µs against about 150-250 µs with one). Overhead = arm time per
 iteration - hand loop (or tuned hand loop) time per iteration; a negative overhead is an arm
@@ -189,8 +209,10 @@ faster than that loop.
 ### CIFAR default model (airbench, batch {cifar.batch_size}, channels_last, fp32, \
 {cifar.threads} threads)
 
-{cifar_note} {cifar.warmup} warm-up + {cifar.timed} timed iterations per repeat,
-{len(cifar.runs[REFERENCE])} repeats. Ratio = arm images/s / hand images/s (1.0 = as fast).
+{cifar_note} {cifar.warmup} warm-up + {cifar.timed} timed iterations per repeat in blocks of
+{cifar.block or cifar.timed}, {len(cifar.runs[REFERENCE])} repeats
+({len(cifar.paired(REFERENCE, lambda a, h: a))} paired blocks per arm). Ratio = arm images/s
+/ hand images/s (1.0 = as fast).
 
 {cifar_table(cifar)}
 

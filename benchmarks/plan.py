@@ -24,11 +24,13 @@ class Plan:
     tiny_warmup: int
     tiny_timed: int
     tiny_repeats: int
+    tiny_block: int  # iterations per block run side by side (benchmarks.lockstep)
     # Section 1, CIFAR default model
     cifar_batch: int
     cifar_warmup: int
     cifar_timed: int
     cifar_repeats: int
+    cifar_block: int
     # Section 3
     data_batch: int
     data_timed: int
@@ -50,8 +52,8 @@ class Plan:
 
 FULL = Plan(
     name="full",
-    tiny_warmup=50, tiny_timed=2000, tiny_repeats=7,
-    cifar_batch=256, cifar_warmup=2, cifar_timed=8, cifar_repeats=5,
+    tiny_warmup=50, tiny_timed=2000, tiny_repeats=7, tiny_block=10,
+    cifar_batch=256, cifar_warmup=2, cifar_timed=8, cifar_repeats=5, cifar_block=1,
     data_batch=256, data_timed=16, data_repeats=5,
     epoch_batch=256, epoch_warmup=2, epoch_timed=6, epoch_repeats=3, epoch_eval_images=256,
     epoch_train_images=50_000,
@@ -61,8 +63,8 @@ FULL = Plan(
 # Proves every code path runs, in seconds; its numbers mean nothing.
 QUICK = Plan(
     name="quick",
-    tiny_warmup=3, tiny_timed=10, tiny_repeats=2,
-    cifar_batch=8, cifar_warmup=1, cifar_timed=1, cifar_repeats=1,
+    tiny_warmup=3, tiny_timed=10, tiny_repeats=2, tiny_block=5,
+    cifar_batch=8, cifar_warmup=1, cifar_timed=1, cifar_repeats=1, cifar_block=1,
     data_batch=32, data_timed=2, data_repeats=1,
     epoch_batch=8, epoch_warmup=1, epoch_timed=1, epoch_repeats=1, epoch_eval_images=8,
     epoch_train_images=512,

@@ -40,6 +40,7 @@ class Workload:
     warmup: int
     batch_size: int
     max_grad_norm: float = NEVER_REACHED_GRAD_NORM
+    block: int | None = None  # timed iterations per block (see WindowTimer); None: all
 
     @property
     def timed(self) -> int:

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from benchmarks import overhead
@@ -7,7 +9,8 @@ from benchmarks.workloads import Workload, tiny_workload
 
 def result(losses: dict[str, list[float]], seconds: dict[str, list[float]] | None = None):
     seconds = seconds or {arm: [1.0] * len(values) for arm, values in losses.items()}
-    runs = {arm: [ArmResult(s, 0.01, loss) for s, loss in zip(seconds[arm], values, strict=True)]
+    runs = {arm: [ArmResult(s, 0.01, loss, (s,))
+                  for s, loss in zip(seconds[arm], values, strict=True)]
             for arm, values in losses.items()}
     return overhead.OverheadResult("tiny", 32, 2, 100, runs)
 
@@ -55,3 +58,24 @@ def test_paired_overhead_and_targets():
     text = overhead.render(tiny, cifar, "note")
     assert "All runs of all arms reached the same probe loss" in text
     assert "| `lightning` |" in text and "| `hand-tuned` |" in text
+
+
+def test_paired_compares_the_blocks_of_one_round():
+    def run(*blocks: float) -> ArmResult:
+        return ArmResult(sum(blocks), 0.0, 1.0, blocks)
+
+    measured = overhead.OverheadResult(
+        "tiny", 32, 2, 20, {"hand": [run(1.0, 3.0), run(2.0, 2.0)],
+                            "trainer": [run(1.5, 3.0), run(2.0, 4.0)]}, block=10)
+    # per iteration: block seconds / 10, repeat by repeat, block by block
+    assert measured.paired("trainer", lambda a, h: a - h) == pytest.approx([0.05, 0, 0, 0.2])
+    assert measured.per_iteration("trainer") == pytest.approx([0.225, 0.3])
+
+
+def test_measure_runs_the_arms_side_by_side_in_blocks():
+    workload = dataclasses.replace(tiny_workload(warmup=2, timed=8), block=2)
+    measured = overhead.measure(workload, repeats=2, threads=1, log=lambda line: None,
+                                arms=("hand", "hand-tuned", "trainer"))
+    assert all(len(run.blocks) == 4 for runs in measured.runs.values() for run in runs)
+    assert len(measured.paired("trainer", lambda a, h: a - h)) == 8
+    assert overhead.parity_failures(measured) == []

@@ -1,6 +1,11 @@
+import math
+import random
+import time
+
 import pytest
 
-from benchmarks.timing import Stats, WindowTimer, interleaved_order
+from benchmarks import timing
+from benchmarks.timing import MedianInterval, Stats, WindowTimer, interleaved_order
 
 
 def test_stats_median_min_max():
@@ -26,14 +31,31 @@ def test_interleaved_order_runs_every_arm_once_per_repeat_and_rotates():
     assert sorted(first.values()) == ["a", "b", "c"]  # no arm always goes first
 
 
-def test_window_timer_covers_only_the_timed_iterations():
-    timer = WindowTimer(warmup=2, timed=3)
+def test_window_timer_covers_only_the_timed_iterations_in_blocks(monkeypatch):
+    events = []
+    monkeypatch.setattr(timing, "window_listeners", [events.append])
+    timer = WindowTimer(warmup=2, timed=6, block=2)
+    for done in range(1, 10):
+        timer.mark(done)
+        events.append(done)
+    assert events == [1, "open", 2, 3, "block", 4, 5, "block", 6, 7, "close", 8, 9]
+    assert len(timer.blocks) == 3 and all(seconds > 0 for seconds in timer.blocks)
+    assert timer.seconds == sum(timer.blocks)
+    assert timer.end is not None
+
+
+def test_window_timer_leaves_a_listeners_time_out_of_its_blocks(monkeypatch):
+    monkeypatch.setattr(timing, "window_listeners", [lambda event: time.sleep(0.05)])
+    timer = WindowTimer(warmup=1, timed=4, block=1)
     for done in range(1, 6):
         timer.mark(done)
-        if done < 2:
-            assert timer.start is None
-    assert timer.start is not None and timer.end >= timer.start
-    assert timer.seconds == timer.end - timer.start
+    assert len(timer.blocks) == 4 and timer.seconds < 0.05
+
+
+@pytest.mark.parametrize("block", [0, 4, 7])
+def test_window_timer_refuses_a_block_that_does_not_divide_the_window(block):
+    with pytest.raises(ValueError, match="divide timed"):
+        WindowTimer(warmup=1, timed=6, block=block)
 
 
 def test_window_timer_refuses_an_incomplete_window():
@@ -42,3 +64,23 @@ def test_window_timer_refuses_an_incomplete_window():
         timer.mark(done)
     with pytest.raises(RuntimeError, match="iteration 6"):
         _ = timer.seconds
+
+
+def test_median_interval_is_the_sign_test_interval():
+    values = [float(v) for v in range(1, 101)]  # 1 .. 100
+    interval = MedianInterval.of(list(reversed(values)))
+    # n = 100: ranks 50 -/+ 9.8, rounded outwards: values 40 and 61
+    assert (interval.median, interval.low, interval.high, interval.n) == (50.5, 40.0, 61.0, 100)
+    assert interval.format(3) == "50.5 (40.0 to 61.0)"
+    assert MedianInterval.of([2.0]).format(3) == "2.00"
+    with pytest.raises(ValueError, match="at least one"):
+        MedianInterval.of([])
+
+
+def test_median_interval_holds_the_true_median_in_at_least_95_percent_of_samples():
+    rng = random.Random(0)
+    median = math.log(2)  # the exponential distribution's: skewed, like slow-machine noise
+    intervals = [MedianInterval.of([rng.expovariate(1.0) for _ in range(60)])
+                 for _ in range(1000)]
+    hits = sum(interval.low <= median <= interval.high for interval in intervals)
+    assert hits >= 940  # 95% nominal; 1000 samples put the rate within about +-1.4%
