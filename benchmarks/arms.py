@@ -203,14 +203,15 @@ def run_arm(name: str, workload: Workload, threads: int) -> ArmResult:
     return run_arms_lockstep([name], workload, threads)[name]
 
 
-def run_arms_lockstep(names: Sequence[str], workload: Workload,
-                      threads: int) -> dict[str, ArmResult]:
+def run_arms_lockstep(names: Sequence[str], workload: Workload, threads: int,
+                      seed: int = 0) -> dict[str, ArmResult]:
     """One run of each arm in ``names``, all at once, block by block
-    (``benchmarks.lockstep``), with ``threads`` intra-op threads, their prints discarded."""
+    (``benchmarks.lockstep``, its order of each round seeded by ``seed``), with ``threads``
+    intra-op threads, their prints discarded."""
     torch.set_num_threads(threads)
     with quiet_stdout():
         results = (run_lockstep({name: functools.partial(ARMS[name], workload)
-                                 for name in names})
+                                 for name in names}, seed)
                    if len(names) > 1 else {name: ARMS[name](workload) for name in names})
     if torch.get_num_threads() != threads:
         raise RuntimeError(f"an arm of {list(names)} changed the thread count to "

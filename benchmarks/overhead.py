@@ -68,11 +68,13 @@ class OverheadResult:
 def measure(workload: Workload, repeats: int, threads: int, log: Callable[[str], None],
             arms: Sequence[str] = tuple(ARMS)) -> OverheadResult:
     """``repeats`` runs of every arm; in each repeat the arms run at once, block by block,
-    the arms' order rotated by one each repeat (and each round of blocks within it)."""
+    each round in a new random order (``benchmarks.lockstep``, seeded by the repeat), and
+    are set up in an order rotated by one each repeat."""
     runs: dict[str, list[ArmResult]] = {arm: [] for arm in arms}
     for repeat in range(repeats):
         shift = repeat % len(arms)
-        results = run_arms_lockstep([*arms[shift:], *arms[:shift]], workload, threads)
+        results = run_arms_lockstep([*arms[shift:], *arms[:shift]], workload, threads,
+                                    seed=repeat)
         for arm in arms:
             runs[arm].append(results[arm])
         log(f"  {workload.name} repeat {repeat + 1}/{repeats}: " + ", ".join(
@@ -178,7 +180,7 @@ epoch checkpoint, the TensorBoard hparams, Lightning's teardown).
 **Side by side.** This machine changes speed by 20-50% within tens of milliseconds, more
 than the overheads measured here, so in each repeat all arms run at once in one thread
 (`benchmarks/lockstep.py`): each arm trains a block of iterations, then hands on to the
-next, the arms' order rotated every round. Paired columns compare every block of an arm with
+next, each round of blocks in a new random order. Paired columns compare every block of an arm with
 the same block of the reference loop, run in the same round, and give the median over all
 those pairs with its 95% confidence interval in parentheses (distribution-free: it holds
 the true median whatever the noise's shape). The other columns give median [min, max] over

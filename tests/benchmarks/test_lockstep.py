@@ -22,17 +22,32 @@ def loop(name: str, log: list, warmup: int = 1, timed: int = 4, block: int = 2,
     return run
 
 
-def test_arms_run_block_by_block_in_an_order_rotated_every_round():
+def test_arms_run_block_by_block_each_round_in_a_new_order():
     log = []
-    results = run_lockstep({"a": loop("a", log), "b": loop("b", log), "c": loop("c", log)})
-    assert results == {"a": "a: 2 blocks", "b": "b: 2 blocks", "c": "c: 2 blocks"}
-    assert log == [
-        ("a", 1), ("b", 1), ("c", 1),  # round 0: set-up and warm-up, up to "open"
-        ("b", 2), ("b", 3), ("c", 2), ("c", 3), ("a", 2), ("a", 3),  # block 1
-        ("c", 4), ("c", 5), ("a", 4), ("a", 5), ("b", 4), ("b", 5),  # block 2, up to "close"
-        ("a", "end"), ("a", "unwound"), ("b", "end"), ("b", "unwound"),  # run ends
-        ("c", "end"), ("c", "unwound"),
-    ]
+    arms = {name: loop(name, log, timed=16, block=2) for name in "abc"}
+    assert run_lockstep(arms) == {name: f"{name}: 8 blocks" for name in "abc"}
+    # Round 0 runs set-up and warm-up up to "open"; rounds 1-8 a block each (two iterations);
+    # round 9 the run's end. Every round runs each arm once, and a round ends before the next.
+    rounds = [[(name, 1) for name in "abc"]]
+    rounds += [log[3 + 6 * k: 3 + 6 * (k + 1)] for k in range(8)]
+    for k, entries in enumerate(rounds[1:], start=1):
+        firsts = entries[0::2]
+        assert sorted(name for name, _ in firsts) == ["a", "b", "c"]
+        assert all(entries[2 * i + 1] == (name, 2 * k + 1) for i, (name, done) in
+                   enumerate(firsts)) and all(done == 2 * k for _, done in firsts)
+    orders = {tuple(name for name, _ in entries[0::2]) for entries in rounds[1:]}
+    assert len(orders) > 3  # a rotation gives at most 3, each arm behind the same neighbour
+    assert sorted(log[3 + 6 * 8:]) == sorted(
+        [(name, "end") for name in "abc"] + [(name, "unwound") for name in "abc"])
+
+
+def test_the_order_follows_the_seed():
+    def order(seed: int) -> list:
+        log = []
+        run_lockstep({name: loop(name, log, timed=8, block=1) for name in "abcd"}, seed=seed)
+        return log
+
+    assert order(0) == order(0) and order(0) != order(1)
 
 
 def test_a_failing_arm_stops_the_others_and_its_error_propagates():
