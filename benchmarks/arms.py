@@ -50,10 +50,11 @@ class ArmResult:
     blocks: tuple[float, ...] = ()  # the window's blocks of workload.block iterations
 
     @classmethod
-    def of(cls, timer: WindowTimer, probe_loss: float) -> "ArmResult":
-        """The result of a run that just returned, its window timed by ``timer``."""
-        return cls(timer.seconds, time.perf_counter() - timer.end, probe_loss,
-                   tuple(timer.blocks))
+    def of(cls, timer: WindowTimer, workload: Workload, model: torch.nn.Module) -> "ArmResult":
+        """The result of a run that just returned, its window timed by ``timer``; the run's
+        end is read before the probe loss is computed."""
+        end_seconds = time.perf_counter() - timer.end
+        return cls(timer.seconds, end_seconds, workload.probe_loss(model), tuple(timer.blocks))
 
 
 def hand_loop(workload: Workload, accum_steps: int = 1) -> ArmResult:
@@ -74,7 +75,7 @@ def hand_loop(workload: Workload, accum_steps: int = 1) -> ArmResult:
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
         timer.mark(i + 1)
-    return ArmResult.of(timer, workload.probe_loss(model))
+    return ArmResult.of(timer, workload, model)
 
 
 def tuned_hand_loop(workload: Workload) -> ArmResult:
@@ -93,7 +94,7 @@ def tuned_hand_loop(workload: Workload) -> ArmResult:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         timer.mark(i + 1)
-    return ArmResult.of(timer, workload.probe_loss(model))
+    return ArmResult.of(timer, workload, model)
 
 
 def _run_engine(engine: Engine, workload: Workload, model: torch.nn.Module) -> ArmResult:
@@ -101,7 +102,7 @@ def _run_engine(engine: Engine, workload: Workload, model: torch.nn.Module) -> A
     # Registered last, so each mark comes after every other handler of the iteration.
     engine.add_event_handler(Events.ITERATION_COMPLETED, lambda e: timer.mark(e.state.iteration))
     engine.run(workload.batches, max_epochs=1)
-    return ArmResult.of(timer, workload.probe_loss(model))
+    return ArmResult.of(timer, workload, model)
 
 
 def our_trainer(workload: Workload) -> ArmResult:
@@ -177,7 +178,7 @@ def lightning(workload: Workload) -> ArmResult:
             callbacks=[MarkTimer()],
         )
         trainer.fit(Module(model), train_dataloaders=_Batches(workload.batches))
-    return ArmResult.of(timer, workload.probe_loss(model))
+    return ArmResult.of(timer, workload, model)
 
 
 ARMS: dict[str, Callable[[Workload], ArmResult]] = {

@@ -183,8 +183,10 @@ than the overheads measured here, so in each repeat all arms run at once in one 
 next, each round of blocks in a new random order. Paired columns compare every block of an arm with
 the same block of the reference loop, run in the same round, and give the median over all
 those pairs with its 95% confidence interval in parentheses (distribution-free: it holds
-the true median whatever the noise's shape). The other columns give median [min, max] over
-repeats.
+the true median whatever the noise's shape). The interval is this run's: the machine's
+overall speed also differs from run to run, and every overhead in µs with it (the trainer's
+over the tuned loop read 21-31 µs in six runs of one afternoon, in blocks of 10). The other
+columns give median [min, max] over repeats.
 
 **Loss parity.** After training, each run's model (eval mode) computes the loss of one
 held-out probe batch; every run must match the hand loop within {LOSS_TOLERANCE:g}

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 import torch
 
@@ -31,3 +33,11 @@ def test_run_arm_restores_stdout_and_keeps_the_thread_count(capsys):
     run_arm("trainer+recipe", workload, threads=1)  # prints the telemetry's health line
     assert capsys.readouterr().out == ""
     assert torch.get_num_threads() == 1
+
+
+def test_the_run_end_leaves_the_probe_loss_out(monkeypatch):
+    workload = tiny_workload(warmup=1, timed=2)
+    probe = workload.probe_loss
+    monkeypatch.setattr(workload, "probe_loss", lambda model: time.sleep(0.3) or probe(model))
+    for arm in ("hand", "trainer"):
+        assert run_arm(arm, workload, threads=1).end_seconds < 0.3
