@@ -15,8 +15,8 @@ event: once warmed up ("open"), after every block ("block"), at the window's end
 ("close"). Block ``k`` of every arm runs within round ``k``, and each round takes the arms
 in a new random order (seeded): a fixed or rotated order keeps each arm behind the same
 neighbour, and two runs of the very same loop then came out 3.2 µs per iteration apart
-(95% interval 0.8-5.5); in random order, 2.2 (-0.8 to 4.6). greenlet (in
-the dev and bench extras) does the switching: a switch costs about a microsecond and
+(95% interval 0.8-5.5); in random order, 2.2 (-0.8 to 4.6). greenlet (in the dev and
+bench extras) does the switching: a switch there and back took 0.7-1.3 µs (timeit), and it
 falls outside every block (``WindowTimer`` stops its clock before it hands control on).
 """
 

@@ -10,21 +10,13 @@ same bytes (TFRecord framing, CRC32C in C through ``google_crc32c``, the same fi
 buffer: a record
 costs a serialisation and a buffered write, and the OS gets the bytes at ``flush()``,
 when the buffer fills, and at ``close()``.
-
-Scalars, written at every telemetry report, are encoded here by hand (``encode_scalars``):
-building the ``Summary`` and ``Event`` messages through protobuf took about half of a
-report's time on the tiny benchmark model, and the bytes of a scalar are fixed apart from
-its 4-byte value. The encoding is protobuf's own, byte for byte (a test compares them).
 """
 
-import functools
 import itertools
-import math
 import os
 import socket
 import struct
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 import google_crc32c
@@ -44,45 +36,6 @@ def masked_crc32c(data: bytes) -> int:
     """The TFRecord checksum of ``data`` (CRC32C, rotated and offset), computed in C."""
     crc = google_crc32c.value(data)
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _varint(value: int) -> bytes:
-    """Protobuf's base-128 varint of a non-negative int (a negative int64: its 64-bit two's
-    complement, ten bytes)."""
-    value &= 0xFFFFFFFFFFFFFFFF
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-@functools.cache
-def _scalar_prefix(tag: str) -> bytes:
-    """The bytes of ``Summary.value`` entry ``{tag, simple_value}`` up to the value: field 1
-    (a message) holding field 1 (the tag, a string) and the key of field 2 (a float32)."""
-    tag_bytes = tag.encode()
-    value = b"\x0a" + _varint(len(tag_bytes)) + tag_bytes + b"\x15"
-    return b"\x0a" + _varint(len(value) + 4) + value
-
-
-def _float32(value: float) -> bytes:
-    try:
-        return _PACK_FLOAT(value)
-    except OverflowError:  # beyond float32: protobuf stores an infinity of that sign
-        return _PACK_FLOAT(math.copysign(math.inf, value))
-
-
-_PACK_FLOAT = struct.Struct("<f").pack
-
-
-def encode_scalars(scalars: Mapping[str, float]) -> bytes:
-    """A serialized ``Summary`` with one ``simple_value`` per tag, in the mapping's order,
-    as ``Summary(value=[Summary.Value(tag=t, simple_value=v), ...]).SerializeToString()``
-    makes it. Serialized summaries concatenated are one summary with all their values."""
-    return b"".join([_scalar_prefix(tag) + _float32(float(value))
-                     for tag, value in scalars.items()])
 
 
 def tensorflow_bins() -> list[float]:
@@ -120,26 +73,16 @@ class EventFile:
         self.add_event(Event(wall_time=time.time(), file_version="brain.Event:2"))
         self.flush()
 
-    def add_summary(self, summary: Summary | bytes, step: int | None = None,
+    def add_summary(self, summary: Summary, step: int | None = None,
                     wall_time: float | None = None) -> None:
-        """One event holding ``summary`` (a message, or serialized: ``encode_scalars``);
-        the current time unless ``wall_time`` is given."""
-        if not isinstance(summary, bytes):
-            summary = summary.SerializeToString()
-        # Event's fields 1 (wall_time, a double), 2 (step, an int64) and 5 (summary, a
-        # message), in protobuf's order; a field at its default (0) is left out, as
-        # protobuf leaves it out.
-        wall_time = time.time() if wall_time is None else wall_time
-        parts = [b"\x09", struct.pack("<d", wall_time)] if wall_time else []
-        if step:
-            parts += [b"\x10", _varint(int(step))]
-        parts += [b"\x2a", _varint(len(summary)), summary]
-        self._write_record(b"".join(parts))
+        """One event holding ``summary``; the current time unless ``wall_time`` is given."""
+        event = Event(summary=summary, wall_time=time.time() if wall_time is None else wall_time)
+        if step is not None:
+            event.step = int(step)
+        self.add_event(event)
 
     def add_event(self, event: Event) -> None:
-        self._write_record(event.SerializeToString())
-
-    def _write_record(self, data: bytes) -> None:
+        data = event.SerializeToString()
         length = struct.pack("<Q", len(data))
         self._file.write(b"".join((length, struct.pack("<I", masked_crc32c(length)), data,
                                    struct.pack("<I", masked_crc32c(data)))))

@@ -208,24 +208,12 @@ class StepwiseLambdaLR(lr_scheduler.LambdaLR):
     directly, as ``LambdaLR`` computes it (the same floats; a tensor LR is filled in
     place), and keeps ``last_epoch``, ``_step_count`` and ``get_last_lr()`` as torch does;
     the first goes through torch's own, which keeps its warning about calling it before
-    ``optimizer.step()``. Its ``state_dict`` is ``LambdaLR``'s.
-
-    That warning is also why torch wraps ``optimizer.step`` in a function that records each
-    call (``_wrapped_by_lr_sched``), at ~4 µs every optimizer step on this machine: from
-    the second step on nothing reads the record, so the wrapper is taken off again and the
-    optimizer's own ``step`` runs. (A scheduler made on the same optimizer later wraps it
-    anew; one made before and first stepped after this one's second step would warn.)"""
+    ``optimizer.step()``. Its ``state_dict`` is ``LambdaLR``'s."""
 
     def step(self, epoch: int | None = None) -> None:
         if epoch is not None or self._step_count == 1:
             super().step(epoch)
             return
-        # The optimizer's own attribute "step" is a wrapper; count 0 is the step inside
-        # __init__, before torch's check at count 1.
-        optimizer_step = self.optimizer.__dict__.get("step")
-        if optimizer_step is not None and self._step_count and getattr(
-                optimizer_step, "_wrapped_by_lr_sched", False):
-            del self.optimizer.step  # the class's own step again
         self._step_count += 1
         self.last_epoch += 1
         step = self.last_epoch

@@ -8,11 +8,12 @@ from typing import Any
 import numpy as np
 import torch
 from ignite.engine import Engine, Events
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard.summary import histogram
 from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
 from engine import Trainer
-from handlers.event_file import EventFile, encode_scalars, tensorflow_bins
+from handlers.event_file import EventFile, tensorflow_bins
 from handlers.goal import check_mode, is_better
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
 
@@ -113,7 +114,8 @@ class TensorBoardLogger:
 
     def log_now(self, scalars: Mapping[str, float], step: int) -> None:
         """Write ``scalars`` (tag -> value) at ``step`` and flush."""
-        self.writer.add_summary(encode_scalars(scalars), step)
+        self.writer.add_summary(Summary(value=[_scalar(tag, value)
+                                               for tag, value in scalars.items()]), step)
         self.writer.flush()
 
     def state_dict(self) -> dict[str, dict[str, float]]:
@@ -126,16 +128,17 @@ class TensorBoardLogger:
         self.best = dict(state["best"])
 
     def _on_report(self, report: TelemetryReport) -> None:
-        # One event for all values, its scalars encoded by hand (see handlers.event_file).
-        summary = encode_scalars({TRAIN_TAGS.get(name) or f"train/{name}": value
-                                  for name, value in report.stats.items()})
-        if report.top_layer_norms:
-            summary += encode_scalars({f"train/layer_grad_norm/{name}": value
-                                       for name, value in report.top_layer_norms.items()})
+        # One event for all values; each added in place (building Summary.Value objects
+        # and passing them in copies each: twice the cost).
+        summary = Summary()
+        add = summary.value.add
+        for name, value in report.stats.items():
+            add(tag=TRAIN_TAGS.get(name, f"train/{name}"), simple_value=float(value))
+        for name, value in report.top_layer_norms.items():
+            add(tag=f"train/layer_grad_norm/{name}", simple_value=float(value))
         if report.grad_norms:
             norms = np.array(report.grad_norms, dtype=np.float32)
-            summary += histogram("train/grad_norm_hist", norms,
-                                 bins=self._bins).SerializeToString()
+            summary.value.extend(histogram("train/grad_norm_hist", norms, bins=self._bins).value)
         self.writer.add_summary(summary, report.step)
 
     def _on_validation(self, evaluator: Engine) -> None:
@@ -145,7 +148,7 @@ class TensorBoardLogger:
                 value = value.item()  # once per evaluation
             if not isinstance(value, numbers.Real):
                 continue  # e.g. a confusion matrix
-            self.writer.add_summary(encode_scalars({f"val/{name}": value}), step)
+            self.writer.add_summary(Summary(value=[_scalar(f"val/{name}", value)]), step)
             mode = self.modes.get(name)
             if mode is not None and is_better(value, self.best.get(name), mode):
                 self.best[name] = float(value)
@@ -158,9 +161,9 @@ class TensorBoardLogger:
         step, seconds = trainer.state.optimizer_step, trainer.state.times["EPOCH_COMPLETED"]
         batch_size = self.batch_size or _leading_size(trainer.state.batch)
         iterations = trainer.state.iteration - self._epoch_start_iteration
-        self.writer.add_summary(encode_scalars({
-            "perf/epoch_time_sec": seconds,
-            "perf/samples_per_sec": iterations * batch_size / seconds}), step)
+        self.writer.add_summary(Summary(value=[
+            _scalar("perf/epoch_time_sec", seconds),
+            _scalar("perf/samples_per_sec", iterations * batch_size / seconds)]), step)
         self.writer.flush()
 
     def _on_completed(self, trainer: Engine) -> None:
@@ -169,7 +172,7 @@ class TensorBoardLogger:
             for summary in hparams_summaries(flatten(self.hparams), metrics):
                 self.writer.add_summary(summary)
             for tag, value in metrics.items():
-                self.writer.add_summary(encode_scalars({tag: value}),
+                self.writer.add_summary(Summary(value=[_scalar(tag, value)]),
                                         trainer.state.optimizer_step)
         self.close()
 
@@ -192,3 +195,7 @@ def _leading_size(batch: Any) -> int:
         batch = next(iter(batch.values() if isinstance(batch, Mapping) else batch))
     return batch.shape[0]
 
+
+def _scalar(tag: str, value: float) -> Summary.Value:
+    """What ``add_scalar`` writes for a Python number, without its NumPy round trip."""
+    return Summary.Value(tag=tag, simple_value=float(value))

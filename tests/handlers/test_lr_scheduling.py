@@ -1,6 +1,5 @@
 import math
 import pickle
-import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -187,35 +186,6 @@ def test_stepwise_lambda_lr_warns_like_torch_when_stepped_before_the_optimizer()
     scheduler = StepwiseLambdaLR(optimizer, lambda step: 0.5 ** step)
     with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
         scheduler.step()
-
-
-def test_stepwise_lambda_lr_takes_torchs_step_wrapper_off_after_its_first_step():
-    optimizer = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=LR)
-    own_step = optimizer.step
-    scheduler = StepwiseLambdaLR(optimizer, lambda step: 0.5 ** step)
-    assert getattr(optimizer.step, "_wrapped_by_lr_sched", False)  # torch's, for its warning
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the first step still passes torch's call-order check
-        optimizer.step()
-        scheduler.step()
-    optimizer.step()
-    scheduler.step()
-    assert "step" not in vars(optimizer) and optimizer.step == own_step
-
-
-def test_stepwise_lambda_lr_leaves_any_other_step_wrapper_on():
-    optimizer = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=LR)
-    scheduler = StepwiseLambdaLR(optimizer, lambda step: 0.5 ** step)
-    calls = []
-    torch_wrapper = optimizer.step
-    optimizer.step = lambda: calls.append(torch_wrapper())  # a user's own, over torch's
-    optimizer.step()
-    with pytest.warns(UserWarning, match="overridden"):  # torch's own check sees it
-        scheduler.step()
-    for _ in range(2):
-        optimizer.step()
-        scheduler.step()
-    assert len(calls) == 3 and "step" in vars(optimizer)
 
 
 def test_skipped_steps_do_not_advance_the_step_clock():
