@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from ignite.engine import Engine, Events, create_supervised_trainer
@@ -40,6 +41,8 @@ from benchmarks.recipe_handlers import RecipeHandlers
 from benchmarks.timing import WindowTimer
 from benchmarks.workloads import Workload
 from engine import create_trainer
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -200,8 +203,9 @@ def quiet_stdout() -> Iterator[None]:
 
 
 def run_arm(name: str, workload: Workload, threads: int) -> ArmResult:
-    """One run of arm ``name`` with ``threads`` intra-op threads, its prints discarded."""
-    return run_arms_lockstep([name], workload, threads)[name]
+    """One run of arm ``name`` alone, with ``threads`` intra-op threads, its prints
+    discarded."""
+    return _run_quietly(threads, [name], lambda: ARMS[name](workload))
 
 
 def run_arms_lockstep(names: Sequence[str], workload: Workload, threads: int,
@@ -209,12 +213,17 @@ def run_arms_lockstep(names: Sequence[str], workload: Workload, threads: int,
     """One run of each arm in ``names``, all at once, block by block
     (``benchmarks.lockstep``, its order of each round seeded by ``seed``), with ``threads``
     intra-op threads, their prints discarded."""
+    return _run_quietly(threads, names, lambda: run_lockstep(
+        {name: functools.partial(ARMS[name], workload) for name in names}, seed))
+
+
+def _run_quietly(threads: int, names: Sequence[str], run: Callable[[], T]) -> T:
+    """``run()`` with ``threads`` intra-op threads and stdout discarded; refuses a run whose
+    arms changed the thread count."""
     torch.set_num_threads(threads)
     with quiet_stdout():
-        results = (run_lockstep({name: functools.partial(ARMS[name], workload)
-                                 for name in names}, seed)
-                   if len(names) > 1 else {name: ARMS[name](workload) for name in names})
+        result = run()
     if torch.get_num_threads() != threads:
         raise RuntimeError(f"an arm of {list(names)} changed the thread count to "
                            f"{torch.get_num_threads()}")
-    return results
+    return result
