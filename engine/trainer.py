@@ -78,6 +78,8 @@ class Trainer(Engine):
         # Handler lists by event name (see _fire_event); set before Ignite's __init__ runs.
         self._handlers_by_name: dict[str, list] = {}
         self._log_events = False  # whether _fire_event logs each event (at DEBUG)
+        # Ignite stores it as the only argument of a handler that takes the engine alone.
+        self._weak_self = weakref.ref(self)
         super().__init__(process_function)
         # Read again at every epoch's start: a level set later shows from the next epoch.
         self._log_events = self.logger.isEnabledFor(logging.DEBUG)
@@ -163,7 +165,9 @@ class Trainer(Engine):
         # formats a debug message for every event, logged or not: together ~2000
         # instructions an event, several events an iteration. The same loop over the same
         # lists, found by the event's name (Ignite's events are equal when their names are),
-        # and a handler of the engine alone is called without building argument lists.
+        # and a handler of the engine alone, the usual kind, called in one test: its
+        # arguments are this engine's weak reference, which CPython hands out once and
+        # again to every ``weakref.ref(self)`` while one lives (this engine keeps one).
         handlers = self._handlers_by_name.get(
             event_name if isinstance(event_name, str) else event_name._name_)  # _name_of
         if handlers is None:
@@ -172,19 +176,29 @@ class Trainer(Engine):
             self.logger.debug(f"{self.state.epoch} | {self.state.iteration}, "
                               f"Firing handlers for event {event_name}")
         self.last_event_name = event_name
+        if event_args or event_kwargs:
+            for func, args, kwargs in handlers:
+                self._call_handler(func, args, kwargs, event_args, event_kwargs)
+            return
+        me = self._weak_self
         for func, args, kwargs in handlers:
-            if event_kwargs:
-                kwargs.update(event_kwargs)
-            if args and isinstance(args[0], weakref.ref):
-                engine = args[0]()
-                if engine is None:
-                    raise RuntimeError("Engine reference not resolved: cannot run the handler")
-                if len(args) == 1 and not kwargs and not event_args:  # most handlers: f(engine)
-                    func(engine)
-                else:
-                    func(engine, *event_args, *args[1:], **kwargs)
+            if len(args) == 1 and args[0] is me and not kwargs:
+                func(self)
             else:
-                func(*event_args, *args, **kwargs)
+                self._call_handler(func, args, kwargs, (), {})
+
+    def _call_handler(self, func: Any, args: tuple, kwargs: dict, event_args: tuple,
+                      event_kwargs: dict) -> None:
+        """One handler as Ignite's ``_fire_event`` calls it."""
+        if event_kwargs:
+            kwargs.update(event_kwargs)
+        if args and isinstance(args[0], weakref.ref):
+            engine = args[0]()
+            if engine is None:
+                raise RuntimeError("Engine reference not resolved: cannot run the handler")
+            func(engine, *event_args, *args[1:], **kwargs)
+        else:
+            func(*event_args, *args, **kwargs)
 
     def _handlers(self, event_name: Any) -> list:
         """The event's handler list (Ignite's own list object), now kept by name."""

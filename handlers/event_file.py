@@ -92,6 +92,10 @@ class EventFile:
         if not self._file.closed:
             self._file.flush()
 
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
     def close(self) -> None:
         """Flush and close; closing again does nothing."""
         self._file.close()

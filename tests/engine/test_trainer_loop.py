@@ -1,6 +1,7 @@
 """The trainer's own epoch loop against Ignite's: the same events, in the same order, with
 the same state, in every way an epoch can start, run dry, end and fail."""
 
+import functools
 import warnings
 
 import pytest
@@ -162,3 +163,21 @@ def test_events_registered_as_strings_fire_by_name():
                               lambda engine: engine.fire_event("custom_event"))
     trainer.run([1, 2])
     assert seen == [1, 2]
+
+
+def calls_of_every_handler_signature(engine: Engine) -> list:
+    log = []
+    on = functools.partial(engine.add_event_handler, Events.ITERATION_COMPLETED)
+    on(lambda e: log.append(("engine", e is engine)))
+    on(lambda e, a, b=0: log.append(("engine and arguments", e is engine, a, b)), 1, b=2)
+    on(lambda: log.append(("nothing",)))
+    on(lambda a: log.append(("arguments only", a)), 5)
+    engine.run([1, 2], max_epochs=1)
+    return log
+
+
+def test_handlers_of_every_signature_are_called_as_ignite_calls_them():
+    ours = calls_of_every_handler_signature(bare_trainer(echo))
+    assert ours == calls_of_every_handler_signature(Engine(echo))
+    assert ours[:4] == [("engine", True), ("engine and arguments", True, 1, 2), ("nothing",),
+                        ("arguments only", 5)]

@@ -7,10 +7,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 from torch import nn
 
+import handlers.tensorboard as tensorboard_module
 from engine import create_evaluator, create_trainer
 from handlers.event_file import read_events
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
-from handlers.tensorboard import TensorBoardLogger, flatten
+from handlers.tensorboard import REPORTS_PER_WRITE, TensorBoardLogger, flatten
 
 BATCH, BATCHES = 5, 8
 HPARAMS = {"optimizer": {"name": "sgd", "lr": 0.1}, "epochs": 2, "amp": False, "milestones": (3, 6)}
@@ -178,3 +179,30 @@ def test_reports_reach_the_file_at_each_checkpoint_each_in_one_event(tmp_path):
     logger.log_now({"health/rollbacks": 1.0}, step=20)  # written and flushed at once
     assert read_records(tmp_path)[-1].summary.value[0].tag == "health/rollbacks"
     logger.close()
+
+
+def test_reports_are_encoded_in_batches_stamped_with_the_time_each_came(tmp_path, monkeypatch):
+    clock = iter(range(1000, 2000))
+    monkeypatch.setattr(tensorboard_module.time, "time", lambda: float(next(clock)))
+    logger = TensorBoardLogger(tmp_path)
+    for step in range(1, REPORTS_PER_WRITE):
+        logger._on_report(TelemetryReport(step=step, stats={"loss_mean": 1.0}))
+    logger.writer.flush()
+    assert [event.step for event in read_records(tmp_path)] == [0]  # held as numbers
+    logger._on_report(TelemetryReport(step=REPORTS_PER_WRITE, stats={"loss_mean": 1.0}))
+    logger.writer.flush()
+    events = read_records(tmp_path)[1:]
+    assert [e.step for e in events] == list(range(1, REPORTS_PER_WRITE + 1))
+    times = [e.wall_time for e in events]
+    assert times == sorted(times) and len(set(times)) == REPORTS_PER_WRITE  # each its own
+    logger.close()
+
+
+def test_held_reports_are_written_before_any_later_event(tmp_path):
+    logger = TensorBoardLogger(tmp_path)
+    logger._on_report(TelemetryReport(step=10, stats={"loss_mean": 1.0}))
+    logger.log_now({"health/rollbacks": 1.0}, step=10)
+    logger._on_report(TelemetryReport(step=20, stats={"loss_mean": 2.0}))
+    logger.close()
+    assert [(e.step, e.summary.value[0].tag) for e in read_records(tmp_path)[1:]] == [
+        (10, "train/loss"), (10, "health/rollbacks"), (20, "train/loss")]
