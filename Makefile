@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RECIPE ?= cifar
 ARGS ?=
+REV ?= HEAD
 
-.PHONY: train test test-slow test-reliability bench bench-gpu bench-instructions bench-extra lint lr-plot tensorboard clean
+.PHONY: train test test-slow test-reliability bench bench-gpu bench-instructions bench-versus bench-extra lint lr-plot tensorboard clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +45,11 @@ bench-gpu: bench-extra
 # and cc): the overhead figures that load on a shared machine does not move; about 8 minutes.
 bench-instructions: $(STAMP)
 	$(PY) -m benchmarks.instructions
+
+# Before/after: the trainer arms of REV (default HEAD) against the working tree's, side by side
+# in one process on the tiny model (about a minute).
+bench-versus: $(STAMP)
+	$(PY) -m benchmarks.versus $(REV)
 
 lr-plot: $(STAMP)
 	$(PY) -m recipes.lr_plot --out runs/lr_schedules.png
