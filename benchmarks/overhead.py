@@ -103,8 +103,10 @@ def _probe_cell(result: OverheadResult, arm: str) -> str:
     return f"{result.runs[arm][0].probe_loss:.6f} (max diff {worst:.1e})"
 
 
-def _versus(result: OverheadResult, arm: str, reference: str, combine, digits: int,
-            scale: float = 1.0) -> str:
+def paired_interval(result: OverheadResult, arm: str, reference: str, combine,
+                    digits: int, scale: float = 1.0) -> str:
+    """``combine(arm, reference)`` over every paired block, as ``median (low to high)``;
+    ``-`` for the reference itself or an arm without one."""
     if arm == reference or reference not in result.runs:
         return "-"
     return MedianInterval.of(result.paired(arm, combine, reference)).format(digits, scale)
@@ -114,8 +116,8 @@ def tiny_table(result: OverheadResult) -> str:
     rows = []
     for arm in result.runs:
         rows.append([f"`{arm}`", Stats.of(result.per_iteration(arm)).format(3, 1e6),
-                     _versus(result, arm, REFERENCE, lambda a, h: a - h, 3, 1e6),
-                     _versus(result, arm, TUNED, lambda a, h: a - h, 3, 1e6),
+                     paired_interval(result, arm, REFERENCE, lambda a, h: a - h, 3, 1e6),
+                     paired_interval(result, arm, TUNED, lambda a, h: a - h, 3, 1e6),
                      Stats.of([run.end_seconds for run in result.runs[arm]]).format(3, 1e3),
                      _probe_cell(result, arm)])
     return table(["arm", "µs / iteration", "overhead vs hand, µs / iteration",
@@ -126,9 +128,9 @@ def cifar_table(result: OverheadResult) -> str:
     rows = []
     for arm in result.runs:
         rows.append([f"`{arm}`", Stats.of(result.images_per_second(arm)).format(4),
-                     _versus(result, arm, REFERENCE, lambda a, h: h / a, 4),
-                     _versus(result, arm, TUNED, lambda a, h: h / a, 4),
-                     _versus(result, arm, TUNED, lambda a, h: a - h, 3, 1e3),
+                     paired_interval(result, arm, REFERENCE, lambda a, h: h / a, 4),
+                     paired_interval(result, arm, TUNED, lambda a, h: h / a, 4),
+                     paired_interval(result, arm, TUNED, lambda a, h: a - h, 3, 1e3),
                      Stats.of([run.end_seconds for run in result.runs[arm]]).format(3, 1e3),
                      _probe_cell(result, arm)])
     return table(["arm", "images/s", "throughput ratio arm/hand",

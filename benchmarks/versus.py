@@ -35,7 +35,6 @@ from pathlib import Path
 from benchmarks import overhead
 from benchmarks.arms import ARMS, ArmResult
 from benchmarks.report import table
-from benchmarks.timing import MedianInterval
 from benchmarks.workloads import Workload, tiny_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,8 +151,7 @@ def compare(before: dict[str, Callable[[Workload], ArmResult]], workload: Worklo
 
 def render(result: overhead.OverheadResult, rev: str) -> str:
     def difference(arm: str, reference: str) -> str:
-        pairs = result.paired(arm, lambda a, r: a - r, reference)
-        return MedianInterval.of(pairs).format(3, 1e6)
+        return overhead.paired_interval(result, arm, reference, lambda a, r: a - r, 3, 1e6)
 
     rows = [[f"`{arm}`", difference(arm, REFERENCE), difference(f"{arm}@{rev}", REFERENCE),
              difference(arm, f"{arm}@{rev}"), _parity(result, arm, f"{arm}@{rev}")]
