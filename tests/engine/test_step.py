@@ -120,6 +120,34 @@ def test_trainer_matches_the_hand_written_loop_bit_for_bit(
         assert any(norm > max_grad_norm for norm in reference_norms)  # clipping did bite
 
 
+class WithSpareParameter(nn.Module):
+    """An MLP and a parameter its forward never uses: it has no gradient in any window."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp, self.spare = mlp, nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def test_a_parameter_without_a_gradient_is_left_out_of_the_norm_and_the_step(
+    gate, make_mlp, make_batches
+):
+    data = make_batches(6)
+    model, reference = WithSpareParameter(make_mlp()), WithSpareParameter(make_mlp())
+    optimizer = sgd(model)
+    trainer = create_trainer(model, optimizer, F.cross_entropy, max_grad_norm=CLIP_NORM)
+    norms = record(trainer, TrainEvents.OPTIMIZER_STEP, "output")
+    trainer.run(data, max_epochs=1)
+
+    reference_norms = reference_loop(reference, sgd(reference), data, "fp32", 1, CLIP_NORM, 1)
+    assert_same_weights(model, reference)
+    assert [output["grad_norm"] for output in norms] == reference_norms
+    assert model.spare.grad is None and model.spare not in optimizer.state
+    assert trainer.state.optimizer_step == 6
+
+
 def test_accumulated_micro_batches_match_one_large_batch(make_mlp, make_batches):
     micro = make_batches(10, batch_size=2)  # accum_steps=4: windows of 4, 4 and 2 micro-batches
     model, reference = make_mlp(), make_mlp()

@@ -181,3 +181,43 @@ def test_handlers_of_every_signature_are_called_as_ignite_calls_them():
     assert ours == calls_of_every_handler_signature(Engine(echo))
     assert ours[:4] == [("engine", True), ("engine and arguments", True, 1, 2), ("nothing",),
                         ("arguments only", 5)]
+
+
+def calls_when_handlers_change_while_running(engine: Engine) -> list:
+    """A handler that adds another to its own event once, and one replaced in Ignite's list
+    in place between iterations (as Ignite's ``BasicTimeProfiler`` wraps handlers)."""
+    log = []
+
+    def added(e):
+        log.append(("added", e.state.iteration))
+
+    def adder(e):
+        log.append(("adder", e.state.iteration))
+        if e.state.iteration == 1:
+            e.add_event_handler(Events.ITERATION_COMPLETED, added)
+
+    def original(e):
+        log.append(("original", e.state.iteration))
+
+    def replacement(e):
+        log.append(("replacement", e.state.iteration))
+
+    def replace(e):
+        if e.state.iteration == 3:  # after the list's last change in length
+            entries = e._event_handlers[Events.ITERATION_COMPLETED]
+            index = next(i for i, (f, _, _) in enumerate(entries) if f is original)
+            entries[index] = (replacement, *entries[index][1:])
+
+    engine.add_event_handler(Events.ITERATION_COMPLETED, adder)
+    engine.add_event_handler(Events.ITERATION_COMPLETED, original)
+    engine.add_event_handler(Events.ITERATION_STARTED, replace)
+    engine.run([1, 2, 3], max_epochs=1)
+    return log
+
+
+def test_handlers_added_while_their_event_fires_or_replaced_in_place_run_as_in_ignite():
+    ours = calls_when_handlers_change_while_running(bare_trainer(echo))
+    assert ours == calls_when_handlers_change_while_running(Engine(echo))
+    assert ours == [("adder", 1), ("original", 1), ("added", 1), ("adder", 2),
+                    ("original", 2), ("added", 2), ("adder", 3), ("replacement", 3),
+                    ("added", 3)]

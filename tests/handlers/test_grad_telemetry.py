@@ -86,6 +86,25 @@ def test_interval_stats_equal_the_hand_computed_ones(capsys):
     ]
 
 
+@pytest.mark.parametrize("norms", [[0.25, 0.75], [0.25, 1.0 - 1e-7], [0.25, 1.0], [0.5, 3.0]],
+                         ids=["far_below", "a_hair_below", "at", "above"])
+def test_post_clip_norms_follow_the_steps_formula_at_and_near_the_clip(norms):
+    # Just below max_grad_norm=1, the 1e-6 guard of clip_grad_norm_ still scales the
+    # gradients by a hair: a norm is clipped only above the maximum, but its post-clip
+    # norm shrinks from 1 - 1e-6 up.
+    script = [{"loss": 1.0, "grad_norm": norm} for norm in norms]
+    trainer = scripted_trainer([{"loss": 1.0}, *script])
+    report = run_with_reports(trainer, GradientTelemetry(log_every=2), range(3))[0]
+
+    pre = torch.tensor(norms).tolist()  # float32, as the step's norms are
+    post = [norm * min(1.0, 1.0 / (norm + 1e-6)) for norm in pre]
+    assert report.stats["grad_norm_clipped_mean"] == sum(post) / 2
+    assert report.stats["grad_norm_mean"] == sum(pre) / 2
+    assert report.stats["clip_fraction"] == sum(norm > 1.0 for norm in pre) / 2
+    assert (report.stats["grad_norm_clipped_mean"] < report.stats["grad_norm_mean"]) == (
+        max(norms) > 1 - 1e-6)
+
+
 def test_each_groups_lr_is_reported_when_the_groups_differ():
     trainer = scripted_trainer(SCRIPT)
     reports = run_with_reports(trainer, GradientTelemetry(log_every=2), range(6))
