@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import data, epoch, gpu, image_loader, overhead, syncs
+from benchmarks.arms import ARMS
 from benchmarks.machine import describe_machine, load_average
 from benchmarks.plan import FULL, QUICK, Plan
 from benchmarks.report import document
@@ -92,7 +93,8 @@ def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[
     cifar = overhead.measure(
         dataclasses.replace(cifar_workload(plan.cifar_warmup, plan.cifar_timed,
                                            plan.cifar_batch), block=plan.cifar_block),
-        plan.cifar_repeats, threads, log=log)
+        plan.cifar_repeats, threads, log=log,
+        arms=[arm for arm in ARMS if arm != overhead.LOOP_ONLY])
 
     log("2/6 host syncs")
     config = Config()

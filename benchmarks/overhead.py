@@ -12,6 +12,9 @@ from benchmarks.workloads import NEVER_REACHED_GRAD_NORM, Workload
 REFERENCE = "hand"
 TUNED = "hand-tuned"
 FULL_HANDLERS = "trainer+recipe"
+# The trainer's loop around the tuned step: the floor under the trainer's overhead. Run on
+# the tiny model only: on the CIFAR model the loop is lost in the step.
+LOOP_ONLY = "trainer-loop"
 # Lightning's own parity test (tests/parity_pytorch/test_basic_parity.py) requires the final
 # losses of its loop and a vanilla loop to agree to 5 decimals (np.testing.assert_almost_equal,
 # decimal=5: |difference| < 1.5e-5). We use the same bound on the probe loss.
@@ -28,6 +31,9 @@ ARM_NOTES = {
                   "host read, the clip decided on the host, no autocast/scaler/division, "
                   "`model.train()` once",
     "trainer": "`create_trainer`, no handlers",
+    "trainer-loop": "our `Trainer`'s epoch loop and events running the tuned loop's step as "
+                    "its process function (no step guarantees, no batch move): what the loop "
+                    "alone costs, the floor under `trainer` (tiny model only)",
     "trainer+recipe": "`create_trainer` + the CIFAR recipe's handler set "
                       "(`benchmarks/recipe_handlers.py`)",
     "ignite": "Ignite `create_supervised_trainer`, stock: no unscale/clip/norm (it has no "
