@@ -34,6 +34,7 @@ from pathlib import Path
 
 from benchmarks import overhead
 from benchmarks.arms import ARMS, ArmResult
+from benchmarks.plan import FULL
 from benchmarks.report import table
 from benchmarks.workloads import Workload, tiny_workload
 
@@ -41,10 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "handlers", "recipes")
 BENCH_MODULES = ("arms", "recipe_handlers")  # benchmarks/<name>.py, exported with them
 COMPARED = {"trainer": "our_trainer", "trainer+recipe": "our_trainer_with_recipe_handlers"}
-REFERENCE = "hand-tuned"
+REFERENCE = overhead.TUNED
 PREFIX = "before_"
-WARMUP = 50
-BLOCK = 10  # iterations per lockstep block, as in make bench's tiny section
 # ``from X...`` / ``import X...`` of a package that is exported with the revision.
 _IMPORT = re.compile(
     r"^(?P<indent>[ \t]*)(?P<keyword>from|import)[ \t]+"
@@ -158,7 +157,7 @@ def render(result: overhead.OverheadResult, rev: str) -> str:
             for arm in COMPARED]
     per_block = result.block or result.timed
     pairs = len(result.runs[REFERENCE]) * (result.timed // per_block)
-    return (f"Tiny model, {WARMUP} warm-up + {result.timed} timed iterations per repeat in "
+    return (f"Tiny model, {result.warmup} warm-up + {result.timed} timed iterations per repeat in "
             f"blocks of {per_block}, {len(result.runs[REFERENCE])} repeats ({pairs} paired "
             f"blocks per arm); µs per iteration, median (95% interval).\n\n"
             + table(["arm", f"over `{REFERENCE}`, now", f"over `{REFERENCE}`, at {rev}",
@@ -175,21 +174,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("rev", nargs="?", default="HEAD",
                         help="the git revision to compare against (default HEAD)")
-    parser.add_argument("--repeats", type=int, default=7, help="lockstep runs (default 7)")
-    parser.add_argument("--iterations", type=int, default=2000,
-                        help=f"timed iterations per run, a multiple of {BLOCK} (default 2000)")
+    parser.add_argument("--repeats", type=int, default=FULL.tiny_repeats,
+                        help=f"lockstep runs (default {FULL.tiny_repeats}, as make bench)")
+    parser.add_argument("--iterations", type=int, default=FULL.tiny_timed,
+                        help=f"timed iterations per run, a multiple of {FULL.tiny_block} "
+                             f"(default {FULL.tiny_timed})")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.iterations < BLOCK or args.iterations % BLOCK:
-        parser.error(f"--iterations must be a positive multiple of {BLOCK}, got "
+    if args.iterations < FULL.tiny_block or args.iterations % FULL.tiny_block:
+        parser.error(f"--iterations must be a positive multiple of {FULL.tiny_block}, got "
                      f"{args.iterations}")
     return args
 
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    workload = dataclasses.replace(tiny_workload(WARMUP, args.iterations), block=BLOCK)
+    # make bench's tiny section, but for its length: the same warm-up and blocks.
+    workload = dataclasses.replace(tiny_workload(FULL.tiny_warmup, args.iterations),
+                                   block=FULL.tiny_block)
     try:
         with revision_arms(args.rev) as before:
             result = compare(before, workload, args.repeats,
