@@ -52,7 +52,7 @@ bench-versus: $(STAMP)
 	$(PY) -m benchmarks.versus $(REV)
 
 lr-plot: $(STAMP)
-	$(PY) -m recipes.lr_plot --out runs/lr_schedules.png
+	$(PY) -m recipes.tools.lr_plot --out runs/lr_schedules.png
 
 # Serves runs/ on the loopback interface only; open http://127.0.0.1:$(TB_PORT)
 TB_PORT ?= 6006

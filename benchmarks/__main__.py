@@ -24,7 +24,7 @@ from benchmarks.machine import describe_machine, load_average
 from benchmarks.plan import FULL, QUICK, Plan
 from benchmarks.report import document
 from benchmarks.workloads import cifar_workload, tiny_workload
-from recipes.cifar import Config
+from recipes.cifar.recipe import Config
 
 DOC_OUT = Path("docs/benchmarks.md")
 SMOKE_OUT = Path("runs/benchmarks-smoke.md")  # runs/ is git-ignored: smoke numbers stay out

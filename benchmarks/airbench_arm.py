@@ -22,7 +22,7 @@ import torch
 from airbench.lib_airbench94 import hyp
 
 from benchmarks.timing import WindowTimer
-from recipes.cifar_data import CifarArrays
+from recipes.cifar.data import CifarArrays
 
 FOLDER = "cifar10"  # the relative path at which airbench's `train` opens the test split
 TEST_BATCH = 2000  # the test loader's batch size in airbench's `train`

@@ -12,7 +12,7 @@ from torchvision import transforms
 
 from benchmarks.report import table
 from benchmarks.timing import Stats, interleaved_order, number
-from recipes.data_batches import CIFAR10_MEAN, CIFAR10_STD, TrainBatches
+from recipes.cifar.batches import CIFAR10_MEAN, CIFAR10_STD, TrainBatches
 
 CROP_PADDING = 4  # pixels, both pipelines (torchvision pads with zeros, TrainBatches reflects)
 TORCHVISION_WORKERS = (0, 2)

@@ -17,9 +17,9 @@ from benchmarks.recipe_handlers import RecipeHandlers
 from benchmarks.report import table
 from benchmarks.timing import Stats, WindowTimer, interleaved_order
 from engine import create_evaluator, create_trainer
-from recipes.cifar import Config
-from recipes.data_batches import EvalBatches, TrainBatches
-from recipes.models import build_model, flip_tta_predict, param_groups
+from recipes.cifar.batches import EvalBatches, TrainBatches
+from recipes.cifar.model import build_model, flip_tta_predict, param_groups
+from recipes.cifar.recipe import Config
 
 CIFAR_TRAIN, CIFAR_TEST = 50_000, 10_000  # samples
 LAYOUTS = {"channels_last": True, "contiguous (NCHW)": False}

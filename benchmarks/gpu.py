@@ -29,9 +29,9 @@ from benchmarks.timing import Stats, WindowTimer, interleaved_order
 from benchmarks.workloads import cifar_workload
 from engine import create_trainer, resolve_precision
 from recipes.__main__ import main as recipes_main
-from recipes.cifar import SHARED_CIFAR, Config
-from recipes.cifar_data import CifarArrays, load_cifar10
-from recipes.config import parse_args
+from recipes.cifar.data import CifarArrays, load_cifar10
+from recipes.cifar.recipe import SHARED_CIFAR, Config
+from recipes.runner.config import parse_args
 
 BATCH_SIZES = (256, 1024)
 EAGER, COMPILED, AIRBENCH = "recipe step, eager", "recipe step, compiled", "airbench94 loop"

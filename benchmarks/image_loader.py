@@ -1,4 +1,4 @@
-"""The image-folder data path (``recipes.images``): images/s of its DataLoader with 0, 1
+"""The image-folder data path (``recipes.images.recipe``): images/s of its DataLoader with 0, 1
 and 2 workers against the in-memory CIFAR path (``TrainBatches``) on the same JPEG
 folders, and the share of the default model's training step spent waiting for data.
 
@@ -21,9 +21,9 @@ from benchmarks.machine import load_average
 from benchmarks.report import table
 from benchmarks.timing import Stats, interleaved_order, number
 from engine import create_trainer
-from recipes.cifar_data import load_cifar10
-from recipes.data_batches import TrainBatches
-from recipes.image_folder import (
+from recipes.cifar.batches import TrainBatches
+from recipes.cifar.data import load_cifar10
+from recipes.images.data import (
     EpochBatchSampler,
     ImageFiles,
     NormaliseOnDevice,
@@ -31,8 +31,8 @@ from recipes.image_folder import (
     list_image_folders,
     train_transform,
 )
-from recipes.images import SHARED_CIFAR, Config, build, load_data
-from recipes.recipe import Context
+from recipes.images.recipe import SHARED_CIFAR, Config, build, load_data
+from recipes.runner.api import Context
 
 IN_MEMORY = "TrainBatches, in memory (cifar recipe)"
 WORKER_COUNTS = (0, 1, 2)
@@ -158,7 +158,7 @@ def render(result: LoaderResult, data_dir: Path) -> str:
 
 `{data_dir}` (JPEG folders), batch {plan.batch_size}, {plan.timed_batches} timed batches per
 repeat after a first one left out (worker start-up), {plan.repeats} repeats interleaved;
-load average after: {result.load}. Image folder: `recipes.image_folder.TrainLoader`
+load average after: {result.load}. Image folder: `recipes.images.data.TrainLoader`
 (StatefulDataLoader; Pillow decode, reflect-pad-and-crop and flip per sample, seeded by
 (seed, epoch, index)), then `NormaliseOnDevice`. In memory: `TrainBatches` over the same
 images decoded once (crop, flip and normalisation as batched tensor ops). Workers run one
@@ -166,7 +166,7 @@ thread each and share the cores with the main process.
 
 {table(["pipeline", "images/s", "vs in memory (medians)"], rows)}
 
-**Does the training step wait for data?** `recipes.images` defaults (`{Config.model}`,
+**Does the training step wait for data?** `recipes.images.recipe` defaults (`{Config.model}`,
 CIFAR-style stem), {WAIT_WORKERS} workers, the engine's trainer on the CPU: over
 {len(result.step_seconds)} steps after {plan.wait_warmup_steps} warm-up steps, waiting for the
 loader took {number(waited, 3)} s of {number(stepped, 3)} s

@@ -23,9 +23,9 @@ from ignite.engine import Events
 from ignite.metrics import Accuracy
 
 from engine import Trainer, create_evaluator, new_run_id
-from recipes.cifar import Config
-from recipes.recipe import RunPlan
-from recipes.standard_handlers import attach_standard_handlers
+from recipes.cifar.recipe import Config
+from recipes.runner.api import RunPlan
+from recipes.runner.standard_handlers import attach_standard_handlers
 
 
 class RecipeHandlers:

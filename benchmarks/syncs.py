@@ -16,7 +16,7 @@ from benchmarks.recipe_handlers import RecipeHandlers
 from benchmarks.report import table
 from benchmarks.workloads import Workload
 from engine import create_trainer
-from recipes.cifar import Config
+from recipes.cifar.recipe import Config
 
 # Each of these makes the host wait for the device when the tensor lives on a GPU.
 SYNC_METHODS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")

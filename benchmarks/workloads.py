@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from recipes.cifar import Config
-from recipes.cifar_data import CifarArrays, make_synthetic, subset
-from recipes.data_batches import TrainBatches
-from recipes.models import build_model, param_groups
+from recipes.cifar.batches import TrainBatches
+from recipes.cifar.data import CifarArrays, make_synthetic, subset
+from recipes.cifar.model import build_model, param_groups
+from recipes.cifar.recipe import Config
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -89,7 +89,7 @@ def cifar_workload(
     warmup: int, timed: int, batch_size: int | None = None, channels_last: bool = True,
     seed: int = 0, arrays: CifarArrays | None = None,
 ) -> Workload:
-    """The CIFAR recipe's defaults (``recipes.cifar.Config``): airbench net with its
+    """The CIFAR recipe's defaults (``recipes.cifar.recipe.Config``): airbench net with its
     whitening layer fitted, SGD with Nesterov momentum and weight-decay groups,
     label-smoothed cross-entropy, fp32; batches made by the recipe's own ``TrainBatches``
     (crop + flip, normalised) before timing, from the first images of ``arrays`` (real

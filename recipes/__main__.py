@@ -1,9 +1,10 @@
 """``python -m recipes <name> [--key value ...]``: run a recipe from the command line.
 
-``<name>`` is any ``recipes/<name>.py`` that declares ``RECIPE = Recipe(...)``, or the
-path of such a file. ``--help`` lists the keys; ``--describe`` prints the run's wiring
-(every event and its handlers) without training or writing anything; ``--lr-find`` runs
-an LR range test on the run's data and step and suggests a peak ``--lr``.
+``<name>`` is any folder ``recipes/<name>/`` whose ``recipe.py`` declares
+``RECIPE = Recipe(...)``, or the path of such a file. ``--help`` lists the keys;
+``--describe`` prints the run's wiring (every event and its handlers) without training or
+writing anything; ``--lr-find`` runs an LR range test on the run's data and step and
+suggests a peak ``--lr``.
 
 User mistakes (a bad key or value, missing data, no usable checkpoint) end with
 one ``error:`` line and exit code 2, before anything is written to disk.
@@ -17,10 +18,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from recipes.config import ConfigError, help_text, parse_args
-from recipes.errors import USER_ERRORS
-from recipes.registry import find_recipes, load_recipe
-from recipes.run import describe_run, find_lr_run, run
+from recipes.runner.config import ConfigError, help_text, parse_args
+from recipes.runner.errors import USER_ERRORS
+from recipes.runner.registry import find_recipes, load_recipe
+from recipes.runner.run import describe_run, find_lr_run, run
 
 
 def _usage() -> str:

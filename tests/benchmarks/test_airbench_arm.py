@@ -8,8 +8,8 @@ import torch
 
 from benchmarks import gpu
 from benchmarks.plan import FULL
-from recipes.cifar import Config
-from recipes.cifar_data import make_synthetic
+from recipes.cifar.data import make_synthetic
+from recipes.cifar.recipe import Config
 
 airbench = pytest.importorskip("airbench")
 

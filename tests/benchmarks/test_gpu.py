@@ -10,9 +10,9 @@ from benchmarks import __main__ as bench
 from benchmarks import gpu
 from benchmarks.timing import Stats
 from benchmarks.workloads import cifar_workload
-from recipes.cifar import Config
-from recipes.cifar_data import make_synthetic
-from recipes.config import parse_args
+from recipes.cifar.data import make_synthetic
+from recipes.cifar.recipe import Config
+from recipes.runner.config import parse_args
 
 
 def _installed_except(missing: str):

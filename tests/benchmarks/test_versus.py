@@ -23,7 +23,7 @@ def test_imports_of_the_exported_packages_point_at_their_copies():
     source = "\n".join([
         "from engine import create_trainer",
         "    from handlers.tensorboard import TensorBoardLogger",
-        "import recipes.cifar as cifar",
+        "import recipes.cifar.recipe as cifar",
         "import engine.step",
         "from benchmarks.recipe_handlers import RecipeHandlers",
         "from benchmarks.lockstep import run_lockstep",
@@ -33,7 +33,7 @@ def test_imports_of_the_exported_packages_point_at_their_copies():
     assert versus.rewrite_imports(source).splitlines() == [
         "from before_engine import create_trainer",
         "    from before_handlers.tensorboard import TensorBoardLogger",
-        "import before_recipes.cifar as cifar",
+        "import before_recipes.cifar.recipe as cifar",
         "import before_engine.step; engine = before_engine",
         "from before_benchmarks.recipe_handlers import RecipeHandlers",
         "from benchmarks.lockstep import run_lockstep",

@@ -16,10 +16,10 @@ from torch import nn
 
 from engine import create_evaluator
 from recipes.__main__ import main
-from recipes.charlm import Config, build, load_data, next_byte_logits
-from recipes.gpt import GPT, param_groups
-from recipes.recipe import Context
-from recipes.text_files import read_text, split_files
+from recipes.charlm.model import GPT, param_groups
+from recipes.charlm.recipe import Config, build, load_data, next_byte_logits
+from recipes.charlm.text import read_text, split_files
+from recipes.runner.api import Context
 
 CLI_TIMEOUT_SEC = 300  # a hung run fails its test instead of hanging the suite
 TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",

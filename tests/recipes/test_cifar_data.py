@@ -6,8 +6,8 @@ import pytest
 import torch
 from torchvision.io import encode_jpeg, encode_png, write_file
 
-from recipes import cifar_data
-from recipes.cifar_data import (
+from recipes.cifar import data as cifar_data
+from recipes.cifar.data import (
     DataError,
     holdout_validation,
     load_cifar10,

@@ -22,10 +22,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torchvision.io import encode_jpeg
 
-from recipes import run
 from recipes.__main__ import main
-from recipes.cifar import SHARED_CIFAR, Config
-from recipes.models import build_model
+from recipes.cifar.model import build_model
+from recipes.cifar.recipe import SHARED_CIFAR, Config
+from recipes.runner import run
 
 pytestmark = pytest.mark.filterwarnings(  # torchvision 0.29 deprecates its JPEG codecs
     "ignore:The image decoding and encoding capabilities:DeprecationWarning")

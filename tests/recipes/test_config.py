@@ -3,7 +3,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from recipes.config import ConfigError, field, help_text, parse_args, resume_overrides, validate
+from recipes.runner.config import (
+    ConfigError,
+    field,
+    help_text,
+    parse_args,
+    resume_overrides,
+    validate,
+)
 
 
 def _even(value: int) -> str | None:

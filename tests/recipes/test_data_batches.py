@@ -2,8 +2,8 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 
-from recipes.data_batches import CIFAR10_MEAN, CIFAR10_STD, EvalBatches, TrainBatches
-from recipes.data_order import mix_seed
+from recipes.cifar.batches import CIFAR10_MEAN, CIFAR10_STD, EvalBatches, TrainBatches
+from recipes.common.data_order import mix_seed
 
 
 def make_data(n=40, seed=0):

@@ -2,7 +2,7 @@ import pytest
 import torch
 from ignite.engine import Engine
 
-from recipes.data_order import IndexBatches, OrderedBatches, epoch_order
+from recipes.common.data_order import IndexBatches, OrderedBatches, epoch_order
 
 
 def test_epoch_order_is_a_permutation_fixed_by_seed_and_epoch():

@@ -1,7 +1,7 @@
 """The CIFAR recipe on two gloo processes on the CPU, against one process.
 
 The recipe's own training function runs in spawned processes with a tiny model
-(registered as ``recipes.models.MODELS["tiny"]`` in each process). It has no
+(registered as ``recipes.cifar.model.MODELS["tiny"]`` in each process). It has no
 BatchNorm, so one process with global batch B and two with B/2 each must reach the
 same weights; ``"tiny_bn"`` adds BatchNorm for the validation test. Faults (a NaN
 output, an exception) are injected on one rank with a forward hook keyed on
@@ -26,13 +26,14 @@ from torch import nn
 
 from engine import create_evaluator, new_run_id
 from handlers import read_checkpoint
-from recipes import cifar, models
 from recipes.__main__ import main as cli
-from recipes.data_batches import EvalBatches
-from recipes.distributed import process_device, rank_zero_exit_code, share_machine, spawn
-from recipes.errors import DataError
-from recipes.models import TTA_PREDICTS
-from recipes.run import Started, train
+from recipes.cifar import model as models
+from recipes.cifar import recipe as cifar
+from recipes.cifar.batches import EvalBatches
+from recipes.cifar.model import TTA_PREDICTS
+from recipes.runner.errors import DataError
+from recipes.runner.launch import process_device, rank_zero_exit_code, share_machine, spawn
+from recipes.runner.run import Started, train
 
 REPO = Path(__file__).resolve().parents[2]
 _BUILT: list[nn.Module] = []  # the tiny nets built in this process, newest last

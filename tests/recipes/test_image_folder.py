@@ -1,4 +1,4 @@
-"""recipes.image_folder: listing and checking trees, per-sample seeded augmentation, and
+"""recipes.images.data: listing and checking trees, per-sample seeded augmentation, and
 training batches that resume exactly mid-epoch with and without worker processes."""
 
 import io
@@ -10,9 +10,8 @@ from ignite.engine import Events
 from torch import nn
 
 from engine import TrainEvents, create_trainer
-from recipes.data_order import IndexBatches
-from recipes.errors import DataError
-from recipes.image_folder import (
+from recipes.common.data_order import IndexBatches
+from recipes.images.data import (
     EpochBatchSampler,
     ImageFiles,
     NormaliseOnDevice,
@@ -25,8 +24,9 @@ from recipes.image_folder import (
     read_image,
     train_transform,
 )
+from recipes.runner.errors import DataError
 
-# The filter in recipes.image_folder is reset by pytest's own warning capture.
+# The filter in recipes.images.data is reset by pytest's own warning capture.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
 @pytest.fixture

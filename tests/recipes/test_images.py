@@ -20,9 +20,9 @@ import torch
 from PIL import Image
 from torch import nn
 
-from recipes import images
 from recipes.__main__ import main
-from recipes.images import build_classifier
+from recipes.images import recipe as images
+from recipes.images.recipe import build_classifier
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 

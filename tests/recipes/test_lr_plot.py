@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from handlers.lr_scheduling import SCHEDULER_NAMES, build_scheduler
-from recipes import lr_plot
+from recipes.tools import lr_plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ def test_writes_one_png_with_every_named_schedule(tmp_path):
 
 def test_runs_as_a_module_with_its_defaults_for_out(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "recipes.lr_plot", "--epochs", "2", "--steps-per-epoch", "3"],
+        [sys.executable, "-m", "recipes.tools.lr_plot", "--epochs", "2", "--steps-per-epoch", "3"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True, text=True, timeout=120,
     )

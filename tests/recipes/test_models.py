@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from recipes.models import (
+from recipes.cifar.model import (
     TTA_PREDICTS,
     AirbenchNet,
     build_model,

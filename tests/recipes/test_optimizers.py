@@ -4,11 +4,11 @@ import torch
 from torch import nn
 
 from engine import Muon
-from recipes import charlm
-from recipes.cifar import Config
-from recipes.gpt import GPT
-from recipes.models import AirbenchNet, cifar_resnet18
-from recipes.optimizers import build_optimizer, hidden_weights
+from recipes.charlm import recipe as charlm
+from recipes.charlm.model import GPT
+from recipes.cifar.model import AirbenchNet, cifar_resnet18
+from recipes.cifar.recipe import Config
+from recipes.common.optimizers import build_optimizer, hidden_weights
 
 
 def names(model: nn.Module, params: list[nn.Parameter]) -> set[str]:

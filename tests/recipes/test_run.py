@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from recipes.__main__ import main
-from recipes.registry import find_recipes, load_recipe
-from recipes.run_lock import RunLock
+from recipes.runner.lock import RunLock
+from recipes.runner.registry import find_recipes, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_RECIPE = REPO / "tests" / "reliability" / "run_recipe.py"  # the command line plus faults

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.config import ConfigError
-from recipes.run_folder import (
+from recipes.runner.config import ConfigError
+from recipes.runner.folder import (
     check_run_name,
     read_saved_config,
     resolve_run_dir,

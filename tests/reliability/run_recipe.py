@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 from ignite.engine import Events
 
-import recipes.cifar
-import recipes.run
+import recipes.cifar.recipe
+import recipes.runner.run
 from engine.batch import supervised_forward
-from recipes.models import AirbenchNet
+from recipes.cifar.model import AirbenchNet
 
 TEST_WIDTHS = (16, 32, 32)  # the recipe's airbench uses (64, 256, 256): ~2M parameters
 
@@ -61,7 +61,7 @@ def _narrow_build_model(name: str, num_classes: int = 10) -> torch.nn.Module:
 def _install_trainer_hooks() -> None:
     """Wrap the run layer's ``create_trainer`` to add the NaN, spike, snapshot and signal
     faults."""
-    real_create_trainer = recipes.run.create_trainer
+    real_create_trainer = recipes.runner.run.create_trainer
     nan_iterations = _iterations("RELIABILITY_NAN_ITERATIONS")
     spike_iterations = _iterations("RELIABILITY_SPIKE_ITERATIONS")
     snapshot_iterations = _iterations("RELIABILITY_SNAPSHOT_ITERATIONS")
@@ -98,9 +98,9 @@ def _install_trainer_hooks() -> None:
                 os.kill(os.getpid(), signal.Signals[signal_name])
         return trainer
 
-    recipes.run.create_trainer = create_trainer
+    recipes.runner.run.create_trainer = create_trainer
     if signal_event == "validation":
-        real_create_evaluator = recipes.run.create_evaluator
+        real_create_evaluator = recipes.runner.run.create_evaluator
         evaluations = {"count": 0}
 
         def create_evaluator(*args, **options):
@@ -113,7 +113,7 @@ def _install_trainer_hooks() -> None:
                     os.kill(os.getpid(), signal.Signals[signal_name])
             return evaluator
 
-        recipes.run.create_evaluator = create_evaluator
+        recipes.runner.run.create_evaluator = create_evaluator
 
 
 def _install_disk_error() -> None:
@@ -148,7 +148,7 @@ def _install_disk_error() -> None:
 
 
 if __name__ == "__main__":
-    recipes.cifar.build_model = _narrow_build_model
+    recipes.cifar.recipe.build_model = _narrow_build_model
     _install_trainer_hooks()
     _install_disk_error()
     sys.argv = ["python -m recipes", *sys.argv[1:]]

@@ -4,7 +4,7 @@ No training: each schedule comes from ``build_scheduler`` (the builder recipes u
 on a dummy optimizer and is stepped on its own clock; ``plateau`` reads a scripted
 validation loss that improves for half the run and then stalls.
 
-    python -m recipes.lr_plot --out runs/lr_schedules.png --epochs 10 --steps-per-epoch 100
+    python -m recipes.tools.lr_plot --out runs/lr_schedules.png --epochs 10 --steps-per-epoch 100
 """
 
 import argparse
@@ -76,7 +76,7 @@ def positive_int(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m recipes.lr_plot", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m recipes.tools.lr_plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/lr_schedules.png"))
     parser.add_argument("--epochs", type=positive_int, default=10)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recipes.config import ConfigError
+from recipes.runner.config import ConfigError
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 

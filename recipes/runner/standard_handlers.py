@@ -35,10 +35,10 @@ from handlers.history import RunHistory
 from handlers.spike_guard import SpikeAction, SpikeGuard
 from handlers.startup_checks import StartupChecks
 from handlers.weight_averaging import WeightAveraging
-from recipes.config import ConfigError
-from recipes.distributed import RankZeroSave
-from recipes.recipe import RunPlan
-from recipes.run_config import RunConfig
+from recipes.runner.api import RunPlan
+from recipes.runner.config import ConfigError
+from recipes.runner.launch import RankZeroSave
+from recipes.runner.run_config import RunConfig
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A recipe's ``Config`` is a dataclass that extends ``RunConfig``; it may give a run key
 another default by declaring it again (``epochs: int = field(10, ...)``). Every key is a
-command-line flag (``recipes.config``).
+command-line flag (``recipes.runner.config``).
 
 ``fixed_on_resume`` marks keys that shape the saved tensors or whose value the checkpoint
 carries (optimizer hyperparameters, the schedule's kind and shape, telemetry cadence,
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from handlers import SCHEDULER_NAMES
-from recipes.config import field
-from recipes.distributed import BACKENDS
-from recipes.run_folder import check_run_name
+from recipes.runner.config import field
+from recipes.runner.folder import check_run_name
+from recipes.runner.launch import BACKENDS
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 PROGRESS = ("auto", "bar", "plain", "off")

@@ -10,7 +10,7 @@ import os
 import sysconfig
 from pathlib import Path
 
-from recipes.errors import DataError
+from recipes.runner.errors import DataError
 
 STDLIB = "stdlib"
 # Not the standard library's own code: installed packages and test suites.

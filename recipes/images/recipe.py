@@ -6,8 +6,8 @@ DataLoader worker (pad-and-crop for images of 64 px or less, a random resized cr
 above, then a horizontal flip) and normalised on the device. The network is any
 torchvision classification model by name, untrained, with a CIFAR-style stem for small
 images, trained with SGD-Nesterov and label smoothing. A run killed mid-epoch resumes
-exactly, with any number of workers (``recipes.image_folder``). The run itself (folder,
-resume, handlers, processes) is ``recipes.run``'s.
+exactly, with any number of workers (``recipes.images.data``). The run itself (folder,
+resume, handlers, processes) is ``recipes.runner.run``'s.
 """
 
 import os
@@ -19,10 +19,8 @@ import torchvision
 from ignite.metrics import Accuracy, Loss
 from torch import nn
 
-from recipes.config import field
-from recipes.errors import DataError
-from recipes.fingerprint import fingerprint_files
-from recipes.image_folder import (
+from recipes.common.optimizers import OptimizerChoice, build_optimizer
+from recipes.images.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     SMALL_IMAGE_MAX,
@@ -39,9 +37,11 @@ from recipes.image_folder import (
     shorter_side,
     train_transform,
 )
-from recipes.optimizers import OptimizerChoice, build_optimizer
-from recipes.recipe import Context, Parts, Recipe
-from recipes.run_config import RunConfig
+from recipes.runner.api import Context, Parts, Recipe
+from recipes.runner.config import field
+from recipes.runner.errors import DataError
+from recipes.runner.fingerprint import fingerprint_files
+from recipes.runner.run_config import RunConfig
 
 SHARED_CIFAR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 CLASSIFIERS = tuple(torchvision.models.list_models(module=torchvision.models))

@@ -4,7 +4,7 @@ The images are uint8 tensors on the device, augmented there in batches (random
 translate, alternating flips); the net is airbench94's, trained with SGD-Nesterov,
 label smoothing and Lookahead averaging, evaluated with test-time augmentation.
 Validation uses the official test split unless ``val_fraction`` holds out part of the
-training set. The run itself (folder, resume, handlers, processes) is ``recipes.run``'s.
+training set. The run itself (folder, resume, handlers, processes) is ``recipes.runner.run``'s.
 """
 
 from dataclasses import dataclass
@@ -15,14 +15,14 @@ import torch
 from ignite.metrics import Accuracy, Loss
 
 from handlers import Lookahead
-from recipes.cifar_data import CifarArrays, holdout_validation, load_cifar10, make_synthetic, subset
-from recipes.config import ConfigError, field
-from recipes.data_batches import FLIPS, EvalBatches, TrainBatches
-from recipes.fingerprint import fingerprint_arrays
-from recipes.models import MODELS, TTA_PREDICTS, TTAPredict, build_model
-from recipes.optimizers import OptimizerChoice, build_optimizer
-from recipes.recipe import Context, Parts, Recipe, RunPlan
-from recipes.run_config import RunConfig
+from recipes.cifar.batches import FLIPS, EvalBatches, TrainBatches
+from recipes.cifar.data import CifarArrays, holdout_validation, load_cifar10, make_synthetic, subset
+from recipes.cifar.model import MODELS, TTA_PREDICTS, TTAPredict, build_model
+from recipes.common.optimizers import OptimizerChoice, build_optimizer
+from recipes.runner.api import Context, Parts, Recipe, RunPlan
+from recipes.runner.config import ConfigError, field
+from recipes.runner.fingerprint import fingerprint_arrays
+from recipes.runner.run_config import RunConfig
 
 SHARED_CIFAR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 SYNTHETIC_SIZES = (10_000, 2_000)  # train, test samples when no subset is given

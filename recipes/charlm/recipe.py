@@ -1,7 +1,7 @@
 """Byte-level GPT language model (nanoGPT-style) on text files; default: Python's own stdlib.
 
-The text and its split by file come from ``recipes.text_files``, the model from
-``recipes.gpt``. Samples are windows of ``block_size + 1`` bytes; each training window is
+The text and its split by file come from ``recipes.charlm.text``, the model from
+``recipes.charlm.model``. Samples are windows of ``block_size + 1`` bytes; each training window is
 shifted by an offset drawn from (seed, epoch, index), so the order stays resumable. AdamW
 (no decay on biases, norms, embeddings); at the end a sample of generated text is printed.
 """
@@ -17,14 +17,14 @@ from ignite.metrics import Loss, MetricsLambda
 from torch.nn import functional as F
 from torch.utils.tensorboard import SummaryWriter
 
-from recipes.config import ConfigError, field
-from recipes.data_order import IndexBatches, OrderedBatches
-from recipes.errors import DataError
-from recipes.gpt import GPT
-from recipes.optimizers import OptimizerChoice, build_optimizer
-from recipes.recipe import Context, Parts, Recipe
-from recipes.run_config import RunConfig
-from recipes.text_files import STDLIB, read_text
+from recipes.charlm.model import GPT
+from recipes.charlm.text import STDLIB, read_text
+from recipes.common.data_order import IndexBatches, OrderedBatches
+from recipes.common.optimizers import OptimizerChoice, build_optimizer
+from recipes.runner.api import Context, Parts, Recipe
+from recipes.runner.config import ConfigError, field
+from recipes.runner.errors import DataError
+from recipes.runner.run_config import RunConfig
 
 SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200  # the text generated at the end
 

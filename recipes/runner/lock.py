@@ -20,7 +20,7 @@ import socket
 from pathlib import Path
 from types import TracebackType
 
-from recipes.config import ConfigError
+from recipes.runner.config import ConfigError
 
 LOCK_NAME = ".lock"
 _HELD: set["RunLock"] = set()  # the locks this process holds, until released

@@ -5,7 +5,7 @@ augmented (random crop + horizontal flip as one batched gather), converted to
 float and normalised there: no per-sample Python work and no worker processes.
 
 Order and augmentation are pure functions of ``(seed, epoch, index)``, as
-``recipes.data_order`` describes: a resumed run skips straight to its batch, and
+``recipes.common.data_order`` describes: a resumed run skips straight to its batch, and
 ``world_size`` processes together see exactly the batches of one process.
 """
 
@@ -15,7 +15,7 @@ import torch
 from ignite.engine import Engine
 
 from handlers.arguments import check_int
-from recipes.data_order import EpochPosition, check_rank, epoch_order, mix_seed
+from recipes.common.data_order import EpochPosition, check_rank, epoch_order, mix_seed
 
 # Per-channel statistics of the CIFAR-10 training set, on the 0-1 pixel scale.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)

@@ -1,4 +1,5 @@
-"""Recipes found by name: ``recipes/<name>.py`` holds one, as ``RECIPE = Recipe(...)``.
+"""Recipes found by name: the folder ``recipes/<name>/`` holds one, its ``recipe.py`` declaring
+``RECIPE = Recipe(...)``.
 
 Listing reads the files without importing them (``python -m recipes --help`` stays quick
 and a broken recipe cannot break the list); running imports the one asked for. A path to
@@ -12,28 +13,28 @@ import re
 import sys
 from pathlib import Path
 
-from recipes.config import ConfigError
-from recipes.recipe import Recipe
+from recipes.runner.api import Recipe
+from recipes.runner.config import ConfigError
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+RECIPES_DIR = Path(__file__).resolve().parent.parent
 _DECLARES_RECIPE = re.compile(r"^RECIPE\s*[:=]", re.MULTILINE)
 _FILE_MODULE_PREFIX = "recipe_file_"
 
 
 def find_recipes() -> dict[str, str]:
-    """Every recipe in this package: name -> the first line of its module docstring."""
+    """Every recipe folder of this package: name -> the first line of its recipe's docstring."""
     found = {}
-    for path in sorted(PACKAGE_DIR.glob("*.py")):
+    for path in sorted(RECIPES_DIR.glob("*/recipe.py")):
         source = path.read_text()
-        if path.stem.startswith("_") or not _DECLARES_RECIPE.search(source):
+        if path.parent.name.startswith("_") or not _DECLARES_RECIPE.search(source):
             continue
         docstring = ast.get_docstring(ast.parse(source)) or ""
-        found[path.stem] = docstring.strip().splitlines()[0] if docstring.strip() else ""
+        found[path.parent.name] = docstring.strip().splitlines()[0] if docstring.strip() else ""
     return found
 
 
 def load_recipe(ref: str) -> Recipe:
-    """The ``RECIPE`` of ``recipes/<ref>.py``, or of the file ``ref`` when it ends in .py.
+    """The ``RECIPE`` of ``recipes/<ref>/recipe.py``, or of the file ``ref`` when it ends in .py.
     ``ConfigError`` naming what is available when there is none."""
     if ref.endswith(".py"):
         path = Path(ref).expanduser().resolve()
@@ -41,7 +42,7 @@ def load_recipe(ref: str) -> Recipe:
             raise ConfigError(f"recipe file {ref} does not exist")
         module = _import_file(path)
     elif ref in find_recipes():
-        module = importlib.import_module(f"recipes.{ref}")
+        module = importlib.import_module(f"recipes.{ref}.recipe")
     else:
         available = ", ".join(find_recipes()) or "none"
         raise ConfigError(f"unknown recipe {ref!r}; available: {available} "
@@ -57,7 +58,7 @@ def recipe_ref(recipe: Recipe) -> str:
     module = sys.modules[recipe.build.__module__]
     if module.__name__.startswith(_FILE_MODULE_PREFIX):
         return module.__file__
-    return module.__name__.removeprefix("recipes.")
+    return module.__name__.removeprefix("recipes.").removesuffix(".recipe")
 
 
 def _import_file(path: Path):

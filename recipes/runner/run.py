@@ -36,9 +36,13 @@ from engine import (
 from handlers import CheckpointError, continue_with_new_settings, optimizer_steps_per_epoch
 from handlers.lr_finder import find_lr, plot_lr_find
 from handlers.spike_guard import LossSpikeError
-from recipes.config import ConfigError, resume_overrides
-from recipes.curves import plot_curves
-from recipes.distributed import (
+from recipes.runner.api import Context, Parts, Recipe, RunPlan
+from recipes.runner.config import ConfigError, resume_overrides
+from recipes.runner.curves import plot_curves
+from recipes.runner.errors import USER_ERRORS
+from recipes.runner.fingerprint import describe_change
+from recipes.runner.folder import read_saved_config, resolve_run_dir, write_json_atomic
+from recipes.runner.launch import (
     launched_by_torchrun,
     plan_launch,
     process_device,
@@ -46,20 +50,16 @@ from recipes.distributed import (
     share_machine,
     spawn,
 )
-from recipes.errors import USER_ERRORS
-from recipes.fingerprint import describe_change
-from recipes.recipe import Context, Parts, Recipe, RunPlan
-from recipes.registry import load_recipe, recipe_ref
-from recipes.run_config import RunConfig
-from recipes.run_folder import read_saved_config, resolve_run_dir, write_json_atomic
-from recipes.run_lock import RunLock
-from recipes.standard_handlers import (
+from recipes.runner.lock import RunLock
+from recipes.runner.registry import load_recipe, recipe_ref
+from recipes.runner.run_config import RunConfig
+from recipes.runner.standard_handlers import (
     TRAIN_DATA,
     StandardHandlers,
     attach_standard_handlers,
     attach_weight_averaging,
 )
-from recipes.wiring import wiring_table
+from recipes.runner.wiring import wiring_table
 
 LR_FIND_STEPS = 200  # optimizer steps of the LR range test
 OVERFIT_ITERATIONS = 200  # micro-batches of --overfit-batches

@@ -26,8 +26,8 @@ from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from engine import resolve_device
 from handlers import CheckpointError
-from recipes.config import ConfigError
-from recipes.errors import USER_ERRORS
+from recipes.runner.config import ConfigError
+from recipes.runner.errors import USER_ERRORS
 
 BACKENDS = ("auto", "gloo", "nccl")
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun for each process

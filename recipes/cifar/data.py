@@ -1,7 +1,7 @@
 """CIFAR-10 as uint8 tensors: from image folders or the official python batches, or synthetic.
 
 Everything here returns a ``CifarArrays`` held in memory (60k images are 184 MB
-as uint8); ``recipes.data_batches`` turns it into batches on the device.
+as uint8); ``recipes.cifar.batches`` turns it into batches on the device.
 
 Decoding 60k JPEGs takes seconds on every start, so image folders are decoded once
 and cached (see ``decoded_cache_path``); a cache that no longer matches the files,
@@ -27,7 +27,7 @@ import torch
 import torchvision
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
-from recipes.errors import DataError
+from recipes.runner.errors import DataError
 
 IMAGE_SHAPE = (3, 32, 32)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")

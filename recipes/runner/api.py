@@ -1,6 +1,6 @@
 """What a recipe declares: its task. Everything else a run needs comes from the run layer.
 
-A recipe module ``recipes/<name>.py`` holds one value, ``RECIPE = Recipe(...)``:
+A recipe module ``recipes/<name>/recipe.py`` holds one value, ``RECIPE = Recipe(...)``:
 
 - ``config``: a dataclass that extends ``RunConfig`` with the task's own keys (and may
   change the defaults of run keys, e.g. ``epochs``);
@@ -13,10 +13,10 @@ A recipe module ``recipes/<name>.py`` holds one value, ``RECIPE = Recipe(...)``:
 - ``sample_counts(data) -> (train, val)``: checked against the batch size and the
   number of processes before anything is written;
 - ``fingerprint(data) -> {split name: fingerprint}``: cheap facts about each split
-  (counts, hashes; ``recipes.fingerprint``) stored with the run: a resume on different
+  (counts, hashes; ``recipes.runner.fingerprint``) stored with the run: a resume on different
   data is refused, naming what changed.
 
-``recipes.run.run(RECIPE, config, given)`` does the rest (``python -m recipes <name>``
+``recipes.runner.run.run(RECIPE, config, given)`` does the rest (``python -m recipes <name>``
 calls it).
 """
 
@@ -69,7 +69,7 @@ class Parts:
     ``model`` is the module that is checkpointed (its ``state_dict`` keys are the
     checkpoint's); ``train_model`` is what the step calls, e.g. a DDP or compiled wrapper
     around it (default: ``model``). ``train_batches`` must be sized and, for an exact
-    mid-epoch resume, have ``bind(engine)`` (see ``recipes.data_order``); if they have a
+    mid-epoch resume, have ``bind(engine)`` (see ``recipes.common.data_order``); if they have a
     ``state_dict`` (a ``StatefulDataLoader``'s workers and sampler), it is checkpointed.
     ``attach_extra`` attaches the recipe's own handlers before the standard ones (so a
     checkpoint sees their work of the same step) and returns those whose state must be

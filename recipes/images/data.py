@@ -2,7 +2,7 @@
 augmenting one file per sample in DataLoader workers, and training batches that resume
 exactly mid-epoch with any number of workers.
 
-Exactness comes from two rules. The order is ``recipes.data_order``'s: a permutation per
+Exactness comes from two rules. The order is ``recipes.common.data_order``'s: a permutation per
 ``(seed, epoch)``, each rank taking its slice of every global batch. And a sample's
 augmentation is a pure function of ``(seed, epoch, index)``: the batch sampler yields keys
 ``(epoch, index)`` and the dataset seeds the transform from them, so it does not matter
@@ -29,8 +29,8 @@ from torchvision.transforms import v2
 
 from engine.batch import move_to_device
 from handlers.arguments import check_int
-from recipes.data_order import check_rank, epoch_order, mix_seed
-from recipes.errors import DataError
+from recipes.common.data_order import check_rank, epoch_order, mix_seed
+from recipes.runner.errors import DataError
 
 # Read with Pillow; any other file in a class folder (a README, a .csv) is skipped.
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -238,7 +238,7 @@ class ImageFiles(Dataset):
 
 class EpochBatchSampler:
     """This rank's training batches as lists of keys ``(epoch, index)``, in the order of
-    ``recipes.data_order.epoch_order`` (the last partial batch dropped; ``batch_size``
+    ``recipes.common.data_order.epoch_order`` (the last partial batch dropped; ``batch_size``
     is global, rank ``r`` takes the ``r``-th slice of each batch).
 
     Its state is ``(epoch, next_batch)``: the epoch being drawn and how many of its

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from engine import Muon
-from recipes.config import field
-from recipes.models import param_groups
+from recipes.cifar.model import param_groups
+from recipes.runner.config import field
 
 OWN_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 
