@@ -35,7 +35,7 @@ from recipes.runner.errors import DataError
 from recipes.runner.launch import process_device, rank_zero_exit_code, share_machine, spawn
 from recipes.runner.run import Started, train
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 _BUILT: list[nn.Module] = []  # the tiny nets built in this process, newest last
 
 

@@ -16,7 +16,7 @@ from recipes.__main__ import main
 from recipes.runner.lock import RunLock
 from recipes.runner.registry import find_recipes, load_recipe
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RUN_RECIPE = REPO / "tests" / "reliability" / "run_recipe.py"  # the command line plus faults
 TIMEOUT_SEC = 600
 CHARLM = ["charlm", "--val-fraction", "0.2", "--block-size", "8", "--n-layer", "1",

@@ -10,7 +10,7 @@ from handlers.lr_scheduling import SCHEDULER_NAMES, build_scheduler
 from recipes.tools import lr_plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_writes_one_png_with_every_named_schedule(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from recipes.runner.config import ConfigError
 from recipes.runner.lock import LOCK_NAME, RunLock
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 HOLD_SCRIPT = """
 import sys, time
 from recipes.runner.lock import RunLock
