@@ -65,3 +65,23 @@ def test_bad_arguments_are_named():
         IndexBatches(list(range(10)), 4, seed=0, world_size=3)
     with pytest.raises(ValueError, match="rank must be an int in \\[0, 2\\)"):
         OrderedBatches(list(range(10)), 4, rank=2, world_size=2)
+
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["bound", "unbound"])
+def test_every_epoch_draws_a_new_shuffle_of_every_sample(bound):
+    """Iterated epoch after epoch, through an engine or alone, each epoch's order is a
+    permutation of its own: the same shuffle every epoch would repeat the batches."""
+    data = list(range(24))
+    batches = IndexBatches(data, 6, seed=5)
+    if bound:
+        seen: dict[int, list[int]] = {}
+        engine = Engine(lambda engine, batch: seen.setdefault(engine.state.epoch, []).extend(
+            batch.tolist()))
+        engine.run(batches.bind(engine), max_epochs=3)
+        epochs = list(seen.values())
+    else:
+        epochs = [torch.cat(list(batches)).tolist() for _ in range(3)]
+    assert len(epochs) == 3
+    assert all(sorted(order) == data for order in epochs)
+    assert len({tuple(order) for order in epochs}) == 3
