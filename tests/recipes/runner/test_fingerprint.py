@@ -156,3 +156,21 @@ def test_fingerprints_of_another_kind_are_not_compared(tmp_path):
     message = describe_change(fingerprint_files(files, tmp_path, CLASSES),
                               fingerprint_arrays(labels, None, CLASSES))
     assert message == "data fingerprint is of another kind (files v1 -> arrays v1): cannot compare"
+
+
+def _counts_of(fingerprint):
+    return {key: value for key, value in fingerprint.items() if key.startswith("count:")}
+
+
+def test_files_fingerprint_sees_two_labels_swapped_with_names_sizes_and_counts_kept(tmp_path):
+    """Two files trade labels: every name, size and per-class count stays, only the labels
+    the files train with differ, and the fingerprint must say so."""
+    root = tmp_path / "data"
+    files = write_files(root, per_class=(2, 2, 2))
+    (cat_path, cat), (dog_path, dog) = files[0], files[2]
+    assert (cat, dog) == (0, 1) and cat_path.stat().st_size == dog_path.stat().st_size
+    swapped = [(cat_path, dog), files[1], (dog_path, cat), *files[3:]]
+    old, new = (fingerprint_files(listed, root, CLASSES) for listed in (files, swapped))
+    assert _counts_of(old) == _counts_of(new) and old["samples"] == new["samples"]
+    assert old != new
+    assert describe_change(old, new, "training") is not None
