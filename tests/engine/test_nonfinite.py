@@ -137,6 +137,38 @@ def test_fp16_scaler_back_off_is_skipped_but_never_raises(make_mlp, make_batches
     assert all_finite(model)
 
 
+
+@pytest.mark.parametrize(("initial_scale", "stopped_at"), [(1.0, 3), (4.0, 5)])
+def test_fp16_skips_with_the_scale_at_or_below_1_stop_after_max_consecutive_skips(
+    initial_scale, stopped_at, make_mlp, make_batches
+):
+    """A gradient that stays infinite while the loss is finite: the scaler halves its scale
+    at each skip, and once that scale is at or below 1 a skip is no back-off any more but a
+    failure, so the run stops after max_consecutive_skips instead of skipping on."""
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = create_trainer(
+        model, optimizer, F.cross_entropy, precision="fp16", max_consecutive_skips=3
+    )
+    trainer.scaler.load_state_dict({**trainer.scaler.state_dict(), "scale": initial_scale})
+    first_weight = next(model.parameters())
+    first_weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    skipped_scales = []
+    trainer.add_event_handler(
+        TrainEvents.STEP_SKIPPED,
+        lambda engine: skipped_scales.append(float(engine.state.output["scale"])))
+
+    with pytest.raises(NonFiniteGradientError,
+                       match=rf"'0\.weight' at iteration {stopped_at - 2}; 3 consecutive optimizer "
+                             rf"step\(s\) skipped, stopping at iteration {stopped_at} "):
+        trainer.run(make_batches(10))
+
+    # Every step was skipped; the last one raised before its STEP_SKIPPED.
+    assert skipped_scales == [initial_scale / 2**i for i in range(stopped_at - 1)]
+    assert trainer.state.optimizer_step == 0 and trainer.state.skipped_steps == stopped_at
+    assert trainer.state.consecutive_skips == 3
+
+
 def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, torch.Tensor]]:
     return {index: {key: value.clone() for key, value in state.items()}
             for index, state in optimizer.state_dict()["state"].items()}
