@@ -1,4 +1,4 @@
-"""The README's "Write your own recipe" example runs exactly as printed."""
+"""The recipe example of docs/writing-a-recipe.md runs exactly as printed."""
 
 import json
 import re
@@ -6,14 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "writing-a-recipe.md"
 EXAMPLE = re.compile(r"<!-- recipe-example -->\n```python\n(.*?)```\n<!-- /recipe-example -->",
                      re.DOTALL)
 
 
-def test_the_readme_recipe_runs_as_printed_and_learns(tmp_path):
-    source = EXAMPLE.search(README.read_text())
-    assert source is not None, "the README lost its recipe example markers"
+def test_the_documented_recipe_runs_as_printed_and_learns(tmp_path):
+    source = EXAMPLE.search(GUIDE.read_text())
+    assert source is not None, f"{GUIDE} lost its recipe example markers"
     recipe = tmp_path / "spirals.py"
     recipe.write_text(source.group(1))
     assert 60 <= len(source.group(1).splitlines()) <= 130  # "about 100 lines"

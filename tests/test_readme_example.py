@@ -1,0 +1,26 @@
+"""The README's Python example prints exactly the output the README shows."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+EXAMPLE = re.compile(r"<!-- python-example -->\n```python\n(.*?)```\n<!-- /python-example -->",
+                     re.DOTALL)
+OUTPUT = re.compile(r"<!-- python-example-output -->\n```text\n(.*?)```\n"
+                    r"<!-- /python-example-output -->", re.DOTALL)
+
+
+def test_the_readme_example_prints_what_the_readme_shows(tmp_path):
+    text = README.read_text()
+    source, expected = EXAMPLE.search(text), OUTPUT.search(text)
+    assert source is not None and expected is not None, "the README lost its example markers"
+    example = tmp_path / "toy.py"
+    example.write_text(source.group(1))
+
+    done = subprocess.run([sys.executable, str(example)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected.group(1)
