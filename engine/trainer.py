@@ -1,16 +1,10 @@
-"""Factories for the training and evaluation engines."""
+"""The training engine (``Trainer``) and the factories for it and for evaluation."""
 
-import logging
 import math
-import time
-import warnings
-import weakref
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from ignite.engine import Engine, Events
-from ignite.engine.engine import _EngineTerminateException, _EngineTerminateSingleEpochException
 from ignite.metrics import Metric
 from torch import nn
 
@@ -23,6 +17,7 @@ from engine.batch import (
     supervised_predict,
 )
 from engine.events import EVENT_TO_ATTR, TrainEvents
+from engine.ignite_loop import FastLoopEngine
 from engine.nonfinite import NonFiniteGuard
 from engine.precision import Precision, resolve_precision
 from engine.step import make_train_step
@@ -31,18 +26,8 @@ from engine.update_gate import StepVeto, make_gate
 # Engine state that a checkpoint must carry besides epoch and iteration.
 TRAINER_STATE_KEYS = ("optimizer_step", "skipped_steps", "consecutive_skips")
 
-# The events of every iteration, looked up once: reading ``Events.X`` runs enum code that
-# costs about as much as calling a handler (~1000 instructions).
-_GET_BATCH_STARTED = Events.GET_BATCH_STARTED
-_GET_BATCH_COMPLETED = Events.GET_BATCH_COMPLETED
-_ITERATION_STARTED = Events.ITERATION_STARTED
-_ITERATION_COMPLETED = Events.ITERATION_COMPLETED
-_DATALOADER_STOP_ITERATION = Events.DATALOADER_STOP_ITERATION
-_ITERATION_EVENTS = (_GET_BATCH_STARTED, _GET_BATCH_COMPLETED, _ITERATION_STARTED,
-                     _ITERATION_COMPLETED)
 
-
-class Trainer(Engine):
+class Trainer(FastLoopEngine):
     """An Ignite ``Engine`` that also holds what its step trains with.
 
     Handlers (checkpointing, telemetry) read ``model``, ``optimizer``,
@@ -56,13 +41,9 @@ class Trainer(Engine):
     last micro-batch run before its step's event; one that reads the counters or saves
     the run there calls ``settle()`` first.
 
-    It runs Ignite's plain loop (``interrupt_resume_enabled = False``: Ignite's other loop
-    is a generator, there so that ``interrupt()`` can pause a run, which this trainer does
-    not offer) with its own epoch and event firing, which keep Ignite's events and
-    semantics at about a sixth of its per-iteration cost (``_run_once_on_dataset_legacy``).
+    Its epoch loop and event firing are ``FastLoopEngine``'s (``engine/ignite_loop.py``):
+    Ignite's events and semantics at about a sixth of Ignite's per-iteration cost.
     """
-
-    interrupt_resume_enabled = False
 
     def __init__(
         self,
@@ -75,14 +56,8 @@ class Trainer(Engine):
         max_grad_norm: float | None,
         guard: NonFiniteGuard | None = None,
     ) -> None:
-        # Handler lists by event name (see _fire_event); set before Ignite's __init__ runs.
-        self._handlers_by_name: dict[str, list] = {}
-        self._log_events = False  # whether _fire_event logs each event (at DEBUG)
-        # Ignite stores it as the only argument of a handler that takes the engine alone.
-        self._weak_self = weakref.ref(self)
-        super().__init__(process_function)
-        # Read again at every epoch's start: a level set later shows from the next epoch.
-        self._log_events = self.logger.isEnabledFor(logging.DEBUG)
+        # Each micro-batch settles the previous window's step before its own events.
+        super().__init__(process_function, None if guard is None else guard.settle)
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.precision = precision
         self.accum_steps, self.max_grad_norm = accum_steps, max_grad_norm
@@ -98,7 +73,7 @@ class Trainer(Engine):
         if guard is None:  # a process function that fires the step events itself
             return
         # Registered before any other handler, so every handler of these events sees the
-        # previous step settled; each micro-batch settles it first (_run_once_on_dataset_legacy).
+        # previous step settled; each micro-batch settles it first (before_batch above).
         for event in (Events.EPOCH_COMPLETED, Events.COMPLETED, Events.TERMINATE):
             self.add_event_handler(event, guard.settle)
 
@@ -151,173 +126,13 @@ class Trainer(Engine):
         if position + dropped == state.epoch_length:
             self.terminate_epoch()
             return dropped
-        for _ in range(dropped):
-            next(self._dataloader_iter)
+        self._drop_batches(dropped)
         # Ignite counts the epoch's batches itself and would ask the iterator for the dropped
         # ones again at the end: the epoch ends at its last batch instead.
         self._shortened_epoch = state.epoch
         if not self.has_event_handler(_end_shortened_epoch, Events.ITERATION_COMPLETED):
             self.add_event_handler(Events.ITERATION_COMPLETED, _end_shortened_epoch)
         return dropped
-
-    def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
-        # Ignite's own looks the handlers up by the event, whose hash is Python code, and
-        # formats a debug message for every event, logged or not: together ~2000
-        # instructions an event, several events an iteration. The same loop over the same
-        # lists, found by the event's name (Ignite's events are equal when their names are),
-        # and a handler of the engine alone, the usual kind, called in one test: its
-        # arguments are this engine's weak reference, which CPython hands out once and
-        # again to every ``weakref.ref(self)`` while one lives (this engine keeps one).
-        handlers = self._handlers_by_name.get(
-            event_name if isinstance(event_name, str) else event_name._name_)  # _name_of
-        if handlers is None:
-            handlers = self._handlers(event_name)
-        if self._log_events:
-            self.logger.debug(f"{self.state.epoch} | {self.state.iteration}, "
-                              f"Firing handlers for event {event_name}")
-        self.last_event_name = event_name
-        if event_args or event_kwargs:
-            for func, args, kwargs in handlers:
-                self._call_handler(func, args, kwargs, event_args, event_kwargs)
-            return
-        me = self._weak_self
-        for func, args, kwargs in handlers:
-            if len(args) == 1 and args[0] is me and not kwargs:
-                func(self)
-            else:
-                self._call_handler(func, args, kwargs, (), {})
-
-    def _call_handler(self, func: Any, args: tuple, kwargs: dict, event_args: tuple,
-                      event_kwargs: dict) -> None:
-        """One handler as Ignite's ``_fire_event`` calls it."""
-        if event_kwargs:
-            kwargs.update(event_kwargs)
-        if args and isinstance(args[0], weakref.ref):
-            engine = args[0]()
-            if engine is None:
-                raise RuntimeError("Engine reference not resolved: cannot run the handler")
-            func(engine, *event_args, *args[1:], **kwargs)
-        else:
-            func(*event_args, *args, **kwargs)
-
-    def _handlers(self, event_name: Any) -> list:
-        """The event's handler list (Ignite's own list object), now kept by name."""
-        handlers = self._handlers_by_name[_name_of(event_name)] = self._event_handlers[event_name]
-        return handlers
-
-    def remove_event_handler(self, handler: Any, event_name: Any) -> None:
-        super().remove_event_handler(handler, event_name)
-        self._handlers(event_name)  # Ignite replaced the event's list with a new one
-
-    def _run_once_on_dataset_legacy(self) -> float:
-        """One epoch, with Ignite's events, counters, data-iterator restarts, termination
-        and error handling (``Engine._run_once_on_dataset_legacy`` of pytorch-ignite
-        0.5.5), at a sixth of its cost per iteration: the events are module constants
-        (reading ``Events.X`` runs enum code), fired only when they have handlers, the
-        last event is compared by identity (Ignite's ``!=`` runs two enum property lookups
-        in Python), and the termination flags are tested before calling out. Returns the
-        epoch's seconds."""
-        started = time.time()
-        state = self.state
-        count = self._init_iter or 0  # the epoch's batches run so far (> 0 when resumed)
-        self._init_iter = None
-        with_data = state.dataloader is not None  # run(data=None) fires no batch events
-        restarted = False  # the data iterator ran dry and was set up again
-        guard = self._guard
-        self._log_events = self.logger.isEnabledFor(logging.DEBUG)
-        # The iteration's events are fired only when they have a handler (or events are
-        # logged); else ``last_event_name`` records them as a fire would: most have none,
-        # and a fire costs ~2000 instructions. Handlers added later join these lists, and
-        # a removal puts the event's new list here (see remove_event_handler).
-        for event in _ITERATION_EVENTS:
-            self._handlers(event)
-        by_name, log = self._handlers_by_name, self._log_events
-        try:
-            while True:
-                state.batch = None
-                if guard is not None:  # the last window's step, before the next batch's events
-                    guard.settle(self)
-                try:
-                    if with_data and self.last_event_name is not _DATALOADER_STOP_ITERATION:
-                        if log or by_name["GET_BATCH_STARTED"]:
-                            self._fire_event(_GET_BATCH_STARTED)
-                        else:
-                            self.last_event_name = _GET_BATCH_STARTED
-                        if self.should_terminate or self.should_terminate_single_epoch:
-                            self._maybe_terminate_legacy()
-                    state.batch = next(self._dataloader_iter)
-                    state.output = None  # not the previous batch's, should this one fail
-                    if with_data:
-                        if log or by_name["GET_BATCH_COMPLETED"]:
-                            self._fire_event(_GET_BATCH_COMPLETED)
-                        else:
-                            self.last_event_name = _GET_BATCH_COMPLETED
-                        if self.should_terminate or self.should_terminate_single_epoch:
-                            self._maybe_terminate_legacy()
-                    count += 1
-                    restarted = False
-                except StopIteration:
-                    if self._data_ran_dry(count, restarted, with_data):
-                        break
-                    restarted = True
-                    continue
-                state.iteration += 1
-                if log or by_name["ITERATION_STARTED"]:
-                    self._fire_event(_ITERATION_STARTED)
-                else:
-                    self.last_event_name = _ITERATION_STARTED
-                if self.should_terminate or self.should_terminate_single_epoch:
-                    self._maybe_terminate_legacy()
-                state.output = self._process_function(self, state.batch)
-                if log or by_name["ITERATION_COMPLETED"]:
-                    self._fire_event(_ITERATION_COMPLETED)
-                else:
-                    self.last_event_name = _ITERATION_COMPLETED
-                if self.should_terminate or self.should_terminate_single_epoch:
-                    self._maybe_terminate_legacy()
-                if count == state.epoch_length:
-                    break
-                if state.max_iters is not None and state.iteration == state.max_iters:
-                    self.should_terminate = True
-                    raise _EngineTerminateException()
-        except _EngineTerminateSingleEpochException:
-            self._fire_event(Events.TERMINATE_SINGLE_EPOCH, iter_counter=count)
-            self._setup_dataloader_iter()
-        except _EngineTerminateException:
-            raise  # ends the run: Ignite's run loop handles it
-        except Exception as error:
-            self.logger.error(f"Current run is terminating due to exception: {error}")
-            self._handle_exception(error)
-        return time.time() - started
-
-    def _data_ran_dry(self, count: int, restarted: bool, with_data: bool) -> bool:
-        """The data iterator is exhausted after ``count`` batches of this epoch: whether the
-        epoch ends here (True), or the iterator was set up again to go on (False)."""
-        state = self.state
-        if state.epoch_length is None:  # the first pass over data of unknown length
-            state.epoch_length = count
-            if state.max_iters is not None:
-                state.max_epochs = math.ceil(state.max_iters / count)
-            return True
-        if restarted:  # a fresh iterator that gives nothing
-            if not self._is_done(state):
-                total = (state.epoch_length * state.max_epochs if state.max_epochs is not None
-                         else state.max_iters)
-                warnings.warn("Data iterator can not provide data anymore but required total "
-                              "number of iterations to run is not reached. Current iteration: "
-                              f"{state.iteration} vs Total iterations to run : {total}",
-                              stacklevel=2)
-            return True
-        if with_data:
-            self._fire_event(_DATALOADER_STOP_ITERATION)
-            if self.should_terminate or self.should_terminate_single_epoch:
-                self._maybe_terminate_legacy()
-        self._setup_dataloader_iter()
-        return False
-
-def _name_of(event_name: Any) -> str:
-    """The key Ignite's handler table matches an event by: its name (a str event is one)."""
-    return event_name if isinstance(event_name, str) else event_name._name_
 
 
 def _end_shortened_epoch(trainer: Trainer) -> None:

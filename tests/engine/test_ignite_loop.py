@@ -1,0 +1,84 @@
+"""``engine/ignite_loop.py`` follows one Ignite version's private code: these tests fail,
+naming what to re-check, when the installed Ignite is not a version it was checked against
+or no longer has, or no longer calls, what it relies on. (That its events match Ignite's is
+``test_trainer_loop.py``'s job.)"""
+
+import ast
+import inspect
+
+import ignite
+import pytest
+from ignite.engine import Engine, Events
+
+from engine import ignite_loop
+from engine.ignite_loop import CHECKED_IGNITE_VERSIONS, IGNITE_PRIVATE_NAMES, FastLoopEngine
+
+RECHECK = ("re-check engine/ignite_loop.py against Engine._run_once_on_dataset_legacy, "
+           "_internal_run_legacy and _fire_event in ignite/engine/engine.py")
+
+
+def echo(engine: Engine, batch):
+    return batch
+
+
+def private_names_used() -> set[str]:
+    """Every ``_name`` (not ``__dunder__``) that ignite_loop.py reads or writes as an
+    attribute."""
+    tree = ast.parse(inspect.getsource(ignite_loop))
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and node.attr.startswith("_") and not node.attr.startswith("__")}
+
+
+def test_the_installed_ignite_is_a_version_the_loop_was_checked_against():
+    assert ignite.__version__ in CHECKED_IGNITE_VERSIONS, (
+        f"pytorch-ignite {ignite.__version__} is installed, but engine/ignite_loop.py was "
+        f"checked against {', '.join(CHECKED_IGNITE_VERSIONS)} only: {RECHECK}, then add "
+        f"{ignite.__version__!r} to CHECKED_IGNITE_VERSIONS")
+
+
+@pytest.mark.parametrize("name", IGNITE_PRIVATE_NAMES)
+def test_each_private_name_the_loop_relies_on_is_still_on_ignites_engine(name):
+    assert hasattr(Engine(echo), name), (
+        f"pytorch-ignite {ignite.__version__}'s Engine has no {name}: {RECHECK}")
+
+
+def test_every_private_name_the_loop_shares_with_ignites_engine_is_declared():
+    # One it uses but does not declare would go unchecked; one of its own that Ignite now
+    # also has would silently replace Ignite's.
+    shared = {name for name in private_names_used() if hasattr(Engine(echo), name)}
+    undeclared = sorted(shared - set(IGNITE_PRIVATE_NAMES))
+    assert not undeclared, (
+        f"engine/ignite_loop.py uses {undeclared}, which pytorch-ignite "
+        f"{ignite.__version__}'s Engine also has, without declaring them in "
+        f"IGNITE_PRIVATE_NAMES: {RECHECK}")
+
+
+def test_ignites_run_goes_through_the_loops_epoch_and_event_methods():
+    calls = {"_run_once_on_dataset_legacy": 0, "_fire_event": 0}
+
+    class Counting(FastLoopEngine):
+        def _run_once_on_dataset_legacy(self) -> float:
+            calls["_run_once_on_dataset_legacy"] += 1
+            return super()._run_once_on_dataset_legacy()
+
+        def _fire_event(self, event_name, *args, **kwargs) -> None:
+            calls["_fire_event"] += 1
+            super()._fire_event(event_name, *args, **kwargs)
+
+    Counting(echo).run([1, 2, 3], max_epochs=1)
+    # All four fired by Ignite's run: STARTED, EPOCH_STARTED, EPOCH_COMPLETED, COMPLETED
+    # (the iteration's events have no handlers, so the loop fires none).
+    assert calls == {"_run_once_on_dataset_legacy": 1, "_fire_event": 4}, (
+        f"pytorch-ignite {ignite.__version__}'s Engine.run no longer calls the loop's epoch "
+        f"and event methods once an epoch and for each event ({calls}): {RECHECK}")
+
+
+def test_before_batch_runs_before_each_batch_ahead_of_its_events():
+    log = []
+    engine = FastLoopEngine(lambda e, batch: log.append(("process", batch)),
+                            before_batch=lambda e: log.append(("before", e.state.iteration)))
+    engine.add_event_handler(Events.GET_BATCH_STARTED,
+                             lambda e: log.append(("get", e.state.iteration)))
+    engine.run([7, 8], max_epochs=1)
+    assert log == [("before", 0), ("get", 0), ("process", 7), ("before", 1), ("get", 1),
+                   ("process", 8)]
