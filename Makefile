@@ -44,12 +44,12 @@ bench-gpu: bench-extra
 # Instructions per iteration of the tiny-model arms under valgrind's callgrind (needs valgrind
 # and cc): the overhead figures that load on a shared machine does not move; about 8 minutes.
 bench-instructions: $(STAMP)
-	$(PY) -m benchmarks.instructions
+	$(PY) -m benchmarks.tools.instructions
 
 # Before/after: the trainer arms of REV (default HEAD) against the working tree's, side by side
 # in one process on the tiny model (about a minute).
 bench-versus: $(STAMP)
-	$(PY) -m benchmarks.versus $(REV)
+	$(PY) -m benchmarks.tools.versus $(REV)
 
 lr-plot: $(STAMP)
 	$(PY) -m recipes.tools.lr_plot --out runs/lr_schedules.png

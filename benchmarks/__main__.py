@@ -18,12 +18,19 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import data, epoch, gpu, image_loader, overhead, syncs
-from benchmarks.arms import ARMS
-from benchmarks.machine import describe_machine, load_average
-from benchmarks.plan import FULL, QUICK, Plan
-from benchmarks.report import document
-from benchmarks.workloads import cifar_workload, tiny_workload
+from benchmarks.arms.loops import ARMS
+from benchmarks.arms.workloads import cifar_workload, tiny_workload
+from benchmarks.harness.machine import describe_machine, load_average
+from benchmarks.harness.plan import FULL, QUICK, Plan
+from benchmarks.harness.report import document
+from benchmarks.sections import (
+    s1_overhead,
+    s2_syncs,
+    s3_data,
+    s4_epoch,
+    s5_gpu,
+    s6_image_folder,
+)
 from recipes.cifar.recipe import Config
 
 DOC_OUT = Path("docs/benchmarks.md")
@@ -60,7 +67,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def missing_requirement(only: str | None) -> str | None:
     """Why the requested run cannot start here, or None."""
     if only == "gpu":
-        reason = gpu.skip_reason()
+        reason = s5_gpu.skip_reason()
         return None if reason is None else f"the GPU section cannot run here: {reason}"
     if importlib.util.find_spec("pytorch_lightning") is None:
         return ("PyTorch Lightning is not installed; run `make bench` or "
@@ -75,69 +82,71 @@ def default_out(args: argparse.Namespace) -> Path:
 
 
 def gpu_section(plan: Plan, log: Log) -> str:
-    reason = gpu.skip_reason()
+    reason = s5_gpu.skip_reason()
     log(f"5/6 GPU: {reason or 'measuring'}")
     if reason is not None:
-        return gpu.render([], [], reason)
-    return gpu.render(*gpu.measure(plan, log), None)
+        return s5_gpu.render([], [], reason)
+    return s5_gpu.render(*s5_gpu.measure(plan, log), None)
 
 
 def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[str], list[str]]:
     """Every section of the report, and the loss-parity failures of section 1."""
     log("1/6 engine overhead: tiny model")
-    tiny = overhead.measure(
+    tiny = s1_overhead.measure(
         dataclasses.replace(tiny_workload(plan.tiny_warmup, plan.tiny_timed),
                             block=plan.tiny_block),
         plan.tiny_repeats, TINY_THREADS, log=log)
     log("1/6 engine overhead: CIFAR default model")
-    cifar = overhead.measure(
+    cifar = s1_overhead.measure(
         dataclasses.replace(cifar_workload(plan.cifar_warmup, plan.cifar_timed,
                                            plan.cifar_batch), block=plan.cifar_block),
         plan.cifar_repeats, threads, log=log,
-        arms=[arm for arm in ARMS if arm != overhead.LOOP_ONLY])
+        arms=[arm for arm in ARMS if arm != s1_overhead.LOOP_ONLY])
 
     log("2/6 host syncs")
     config = Config()
     recipe_iterations = config.log_every * 10 + config.log_every // 2  # one layer-norm report
     with tempfile.TemporaryDirectory(prefix="bench-syncs-") as run_dir:
         scenarios = [
-            syncs.step_only(tiny_workload(0, SYNC_STEP_ITERATIONS), accum_steps=1),
-            syncs.step_only(tiny_workload(0, SYNC_STEP_ITERATIONS), accum_steps=4),
-            syncs.with_recipe_handlers(tiny_workload(0, recipe_iterations), Path(run_dir),
-                                       config),
-            syncs.ignite_stock(tiny_workload(0, SYNC_STEP_ITERATIONS)),
+            s2_syncs.step_only(tiny_workload(0, SYNC_STEP_ITERATIONS), accum_steps=1),
+            s2_syncs.step_only(tiny_workload(0, SYNC_STEP_ITERATIONS), accum_steps=4),
+            s2_syncs.with_recipe_handlers(tiny_workload(0, recipe_iterations), Path(run_dir),
+                                          config),
+            s2_syncs.ignite_stock(tiny_workload(0, SYNC_STEP_ITERATIONS)),
         ]
 
     log("4/6 epoch time (also the data-wait share for section 3)")
-    epochs = epoch.measure(plan.epoch_batch, plan.epoch_warmup, plan.epoch_timed,
-                           plan.epoch_eval_images, plan.epoch_repeats, plan.epoch_train_images,
-                           log=log)
+    epochs = s4_epoch.measure(plan.epoch_batch, plan.epoch_warmup, plan.epoch_timed,
+                              plan.epoch_eval_images, plan.epoch_repeats,
+                              plan.epoch_train_images, log=log)
     log("3/6 data pipelines")
-    source = epoch.synthetic_images(plan.data_batch * (plan.data_timed + 1))
-    pipelines = data.measure(*source, plan.data_batch, plan.data_timed, plan.data_repeats, log=log)
+    source = s4_epoch.synthetic_images(plan.data_batch * (plan.data_timed + 1))
+    pipelines = s3_data.measure(*source, plan.data_batch, plan.data_timed, plan.data_repeats,
+                                log=log)
 
     gpu_report = gpu_section(plan, log)
 
-    if image_loader.SHARED_CIFAR.is_dir():
+    if s6_image_folder.SHARED_CIFAR.is_dir():
         log("6/6 image-folder data path")
-        images_section = image_loader.render(
-            image_loader.measure(image_loader.SHARED_CIFAR,
-                                 image_loader.QUICK if quick else image_loader.FULL, log),
-            image_loader.SHARED_CIFAR)
+        images_section = s6_image_folder.render(
+            s6_image_folder.measure(s6_image_folder.SHARED_CIFAR,
+                                    s6_image_folder.QUICK if quick else s6_image_folder.FULL,
+                                    log),
+            s6_image_folder.SHARED_CIFAR)
     else:
-        images_section = (f"## Image-folder data path\n\nUnmeasured: no CIFAR-10 JPEG folders "
-                          f"at `{image_loader.SHARED_CIFAR}`.")
+        images_section = (f"## 6. Image-folder data path\n\nUnmeasured: no CIFAR-10 JPEG folders "
+                          f"at `{s6_image_folder.SHARED_CIFAR}`.")
     cifar_note = ("Synthetic CIFAR-shaped images (`make_synthetic`), cropped, flipped and "
                   "normalised by `TrainBatches` before timing, held in memory.")
     sections = [
-        overhead.render(tiny, cifar, cifar_note),
-        syncs.render(scenarios),
-        data.render(pipelines, epochs.fetch_shares(), threads),
-        epoch.render(epochs),
+        s1_overhead.render(tiny, cifar, cifar_note),
+        s2_syncs.render(scenarios),
+        s3_data.render(pipelines, epochs.fetch_shares(), threads),
+        s4_epoch.render(epochs),
         gpu_report,
         images_section,
     ]
-    failures = overhead.parity_failures(tiny) + overhead.parity_failures(cifar)
+    failures = s1_overhead.parity_failures(tiny) + s1_overhead.parity_failures(cifar)
     return sections, failures
 
 
