@@ -1,8 +1,8 @@
-"""A small GPT: pre-LayerNorm transformer blocks over byte embeddings, as nanoGPT builds it
-(the same parameter names, so its users find their way)."""
+"""A small GPT as nanoGPT builds it: pre-LayerNorm transformer blocks over byte embeddings,
+with nanoGPT's module and state_dict names (``transformer.wte``, ``transformer.h.0.attn.c_attn``,
+``transformer.h.0.mlp.c_proj``, ``lm_head``, ...), its weight tying and its GPT-2 init."""
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,13 +26,25 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(batch, time, channels)))
 
 
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, dropout: float) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
 class Block(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
         super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.ln_1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
-                                 nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout))
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -40,32 +52,33 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Logits ``[batch, time, vocab_size]`` for token ids ``[batch, time]``, time <= block_size."""
+    """Logits ``[batch, time, vocab_size]`` for token ids ``[batch, time]``, time <= block_size.
+
+    ``tie_weights``: the token embedding is the output layer's weight (nanoGPT's
+    ``transformer.wte.weight = lm_head.weight``; ``state_dict`` holds both keys)."""
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int,
                  n_embd: int, dropout: float = 0.0, tie_weights: bool = True) -> None:
         super().__init__()
         self.block_size = block_size
-        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
-        self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(vocab_size, n_embd),
+            "wpe": nn.Embedding(block_size, n_embd),
+            "drop": nn.Dropout(dropout),
+            "h": nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer)),
+            "ln_f": nn.LayerNorm(n_embd),
+        })
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
-            self.lm_head.weight = self.wte.weight
-        for name, parameter in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(parameter)
-            elif parameter.ndim == 2:  # GPT-2's init; residual projections scaled by depth
-                scale = math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 1.0
-                nn.init.normal_(parameter, std=0.02 / scale)
+            self.transformer.wte.weight = self.lm_head.weight
+        init_gpt2(self, n_layer)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(positions))
-        for block in self.h:
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
+        for block in self.transformer.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.lm_head(self.transformer.ln_f(x))
 
     @torch.inference_mode()
     def generate(self, prompt: torch.Tensor, new_tokens: int, generator: torch.Generator,
@@ -80,12 +93,14 @@ class GPT(nn.Module):
         return idx
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: the weights of linear layers decay; biases, norms and embeddings
-    (also when tied to the output layer) do not."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decayed = {id(m.weight): m.weight for m in model.modules()
-               if isinstance(m, nn.Linear) and id(m.weight) not in embeddings}
-    return [{"params": list(decayed.values()), "weight_decay": weight_decay},
-            {"params": [p for p in model.parameters() if id(p) not in decayed],
-             "weight_decay": 0.0}]
+def init_gpt2(model: nn.Module, n_layer: int) -> None:
+    """GPT-2's init, as nanoGPT applies it: every weight matrix and embedding normal with std
+    0.02, biases zero, norms left at one; the residual projections (``c_proj.weight`` of the
+    attention and of the MLP: 2 * n_layer branches add into the residual stream) at
+    0.02 / sqrt(2 * n_layer), so the stream's variance does not grow with depth."""
+    for name, parameter in model.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(parameter)
+        elif parameter.ndim >= 2:
+            scale = math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 1.0
+            nn.init.normal_(parameter, std=0.02 / scale)

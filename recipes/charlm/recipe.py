@@ -2,8 +2,10 @@
 
 The text and its split by file come from ``recipes.charlm.text``, the model from
 ``recipes.charlm.model``. Samples are windows of ``block_size + 1`` bytes; each training window is
-shifted by an offset drawn from (seed, epoch, index), so the order stays resumable. AdamW
-(no decay on biases, norms, embeddings); at the end a sample of generated text is printed.
+shifted by an offset drawn from (seed, epoch, index), so the order stays resumable. AdamW, or
+Muon for the attention and MLP matrices (``--optimizer``); weight decay as nanoGPT's: on every
+weight matrix and embedding (the tied output layer included), not on biases and norms. At the
+end a sample of generated text is printed.
 """
 
 import hashlib
@@ -48,12 +50,13 @@ class Config(OptimizerChoice, RunConfig):
     n_head: int = field(4, "attention heads", min=1, fixed_on_resume=True)
     n_embd: int = field(128, "embedding width", min=1, fixed_on_resume=True)
     dropout: float = field(0.0, "dropout", min=0, max=0.9)
-    weight_decay: float = field(0.1, "AdamW weight decay (and Muon's, decoupled)", min=0,
+    weight_decay: float = field(0.1, "weight decay (decoupled) of the weight matrices and "
+                                "embeddings, not of biases and norms", min=0,
                                 fixed_on_resume=True)
     optimizer: str = field(
         "adamw", "adamw: AdamW for every weight; muon: Muon (momentum orthogonalised by "
-        "Newton-Schulz) for the attention and MLP matrices, AdamW for the rest (embeddings, "
-        "the tied output layer, norms, biases)", choices=("adamw", "muon"),
+        "Newton-Schulz) for the attention and MLP matrices, AdamW for the rest (the embeddings "
+        "and tied output layer, norms, biases)", choices=("adamw", "muon"),
         fixed_on_resume=True)
     muon_lr: float = field(0.02, "peak LR of the Muon matrices (--optimizer muon)", min=0,
                            min_exclusive=True, fixed_on_resume=True)

@@ -1,8 +1,7 @@
 """CIFAR-sized image classifiers: a fast default ('airbench') and a CIFAR ResNet-18.
 
-``build_model(name)`` picks one; ``param_groups`` splits parameters for weight
-decay; ``TTA_PREDICTS`` holds evaluator ``predict`` hooks for test-time
-augmentation: none, the mirror image, and mirror plus one-pixel translates.
+``build_model(name)`` picks one; ``TTA_PREDICTS`` holds evaluator ``predict`` hooks for
+test-time augmentation: none, the mirror image, and mirror plus one-pixel translates.
 
 The default network follows the design ideas of Keller Jordan's airbench94
 (a whitening first layer fitted to data patches, three conv groups with max-pool,
@@ -10,7 +9,6 @@ BatchNorm without a learned scale, identity-initialised convs, a scaled linear
 head); the code here is our own.
 """
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -141,19 +139,6 @@ def build_model(name: str, num_classes: int = 10) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"model name must be one of {sorted(MODELS)}, got {name!r}")
     return MODELS[name](num_classes)
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two optimizer groups: weights with ``weight_decay``, and biases and normalisation
-    parameters (ndim <= 1) without it. Frozen parameters are left out."""
-    if not (isinstance(weight_decay, int | float) and math.isfinite(weight_decay)
-            and weight_decay >= 0):
-        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in trainable if p.ndim > 1], "weight_decay": weight_decay},
-        {"params": [p for p in trainable if p.ndim <= 1], "weight_decay": 0.0},
-    ]
 
 
 def plain_predict(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """``--optimizer <the recipe's own>|muon``: the choice, Muon's own keys and the param
 groups each optimizer gets."""
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -8,7 +9,6 @@ import torch
 from torch import nn
 
 from engine import Muon
-from recipes.cifar.model import param_groups
 from recipes.runner.config import field
 
 OWN_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
@@ -34,6 +34,21 @@ class OptimizerChoice:
                                  max=0.999, fixed_on_resume=True)
 
 
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two optimizer groups, nanoGPT's rule: every trainable parameter of 2 or more
+    dimensions (weight matrices, conv filters, embeddings) with ``weight_decay``, biases and
+    normalisation parameters (ndim <= 1) without it. Frozen parameters are left out; a
+    parameter shared by two modules (tied weights) is listed once."""
+    if not (isinstance(weight_decay, int | float) and math.isfinite(weight_decay)
+            and weight_decay >= 0):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in trainable if p.ndim > 1], "weight_decay": weight_decay},
+        {"params": [p for p in trainable if p.ndim <= 1], "weight_decay": 0.0},
+    ]
+
+
 def hidden_weights(model: nn.Module) -> list[nn.Parameter]:
     """The trainable weights Muon is for: every parameter of 2 or more dimensions except
     embeddings and the output layer (the last ``nn.Linear`` the model registers), whose
@@ -49,8 +64,9 @@ def hidden_weights(model: nn.Module) -> list[nn.Parameter]:
 def build_optimizer(config: Any, model: nn.Module, *, own: str, normalize: bool = True,
                     **options: Any) -> torch.optim.Optimizer:
     """The recipe's own optimizer (``own``: ``sgd`` or ``adamw``, with ``options``) over
-    ``param_groups`` (weight decay on the weights, not on biases and norms), or with
-    ``--optimizer muon`` the same with the hidden weights moved to a Muon group.
+    ``param_groups`` (``decayed``: the weights and embeddings; ``not_decayed``: biases and
+    norms), or with ``--optimizer muon`` the same with the hidden weights moved to a third
+    group, ``muon``.
     ``normalize`` (see ``Muon``) suits weights that a norm layer follows (conv nets);
     without it the Muon group takes the recipe's weight decay, decoupled."""
     groups = [{**group, "name": name} for group, name in

@@ -4,6 +4,7 @@ Runs go through ``python -m recipes charlm`` in a subprocess (cwd = a temporary 
 ``runs/`` lands there) on a few small text files the test writes, with a one-block model.
 """
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -14,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine import create_evaluator
+from engine import Muon, create_evaluator
 from recipes.__main__ import main
-from recipes.charlm.model import GPT, param_groups
+from recipes.charlm.model import GPT
 from recipes.charlm.recipe import Config, build, load_data, next_byte_logits
 from recipes.charlm.text import read_text, split_files
 from recipes.runner.api import Context
@@ -134,17 +135,84 @@ def test_the_model_is_causal():
     assert not torch.equal(model(idx)[0, 5:], model(changed)[0, 5:])
 
 
-def test_no_weight_decay_on_biases_norms_and_embeddings():
-    model = GPT(256, 8, 2, 2, 16)
-    decayed, plain = param_groups(model, 0.1)
-    names = {id(p): name for name, p in model.named_parameters()}
-    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
-    assert all(names[id(p)].endswith("weight") and "ln" not in names[id(p)]
-               for p in decayed["params"])
-    assert {names[id(p)] for p in plain["params"]} >= {"wte.weight", "wpe.weight",
-                                                        "ln_f.weight", "h.0.ln_1.bias"}
-    assert model.lm_head.weight is model.wte.weight  # tied: counted once, not decayed
-    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+def nanogpt_keys(n_layer: int) -> list[str]:
+    """nanoGPT's ``state_dict`` keys for its GPT with ``bias=True`` (GPT-2's layout)."""
+    block = ["ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+             "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+             "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"]
+    return ["transformer.wte.weight", "transformer.wpe.weight",
+            *[f"transformer.h.{layer}.{key}" for layer in range(n_layer) for key in block],
+            "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"]
+
+
+def test_state_dict_keys_are_nanogpts_with_the_embedding_tied_to_the_head():
+    model = GPT(256, 8, n_layer=2, n_head=2, n_embd=16)
+    state = model.state_dict()
+    assert list(state) == nanogpt_keys(2)
+    assert model.transformer.wte.weight is model.lm_head.weight
+    assert state["transformer.wte.weight"].data_ptr() == state["lm_head.weight"].data_ptr()
+
+
+def test_init_is_gpt2s_with_both_residual_projections_scaled_by_depth():
+    torch.manual_seed(0)
+    n_layer = 4
+    model = GPT(256, 64, n_layer=n_layer, n_head=2, n_embd=64)
+    parameters = dict(model.named_parameters())
+    scaled = {name for name in parameters if name.endswith(("attn.c_proj.weight",
+                                                             "mlp.c_proj.weight"))}
+    assert len(scaled) == 2 * n_layer
+    for name, parameter in parameters.items():
+        if name.endswith("bias"):
+            assert not parameter.any(), name
+        elif ".ln_" in name:
+            assert torch.equal(parameter, torch.ones_like(parameter)), name
+        else:  # thousands of draws each: the std is within a few percent of its target
+            std = 0.02 / math.sqrt(2 * n_layer) if name in scaled else 0.02
+            assert parameter.std().item() == pytest.approx(std, rel=0.1), name
+            assert abs(parameter.mean().item()) < 0.1 * std, name
+
+
+def named(model: nn.Module, params: list[nn.Parameter]) -> set[str]:
+    ids = {id(p) for p in params}
+    return {name for name, p in model.named_parameters() if id(p) in ids}
+
+
+OPTIMIZERS = next(f for f in dataclasses.fields(Config) if f.name == "optimizer").metadata[
+    "choices"]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_the_recipes_optimizer_decays_matrices_and_embeddings_not_biases_or_norms(
+        optimizer, tmp_path):
+    """nanoGPT's rule, on the optimizer ``build`` really gives the trainer: every weight
+    matrix and both embeddings (the token one is the tied head) decay; biases and LayerNorm
+    weights do not; with Muon the attention and MLP matrices move to the Muon group."""
+    config = Config(text=str(write_text_folder(tmp_path / "text")), block_size=16,
+                    batch_size=8, n_layer=2, n_head=2, n_embd=16, optimizer=optimizer,
+                    weight_decay=0.1)
+    parts = build(config, load_data(config), Context(torch.device("cpu"), 0, 1, tmp_path))
+    model = parts.model
+    matrices = {f"transformer.h.{layer}.{key}.weight" for layer in range(2)
+                for key in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    embeddings = {"transformer.wte.weight", "transformer.wpe.weight"}
+    norms_and_biases = {f"transformer.h.{layer}.{key}" for layer in range(2)
+                        for key in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias",
+                                    "attn.c_attn.bias", "attn.c_proj.bias", "mlp.c_fc.bias",
+                                    "mlp.c_proj.bias")}
+    norms_and_biases |= {"transformer.ln_f.weight", "transformer.ln_f.bias"}
+    expected = {
+        "adamw": (torch.optim.AdamW, {"decayed": (embeddings | matrices, 0.1),
+                                      "not_decayed": (norms_and_biases, 0.0)}),
+        "muon": (Muon, {"decayed": (embeddings, 0.1), "not_decayed": (norms_and_biases, 0.0),
+                        "muon": (matrices, 0.1)}),  # Muon's decay: decoupled, unnormalised
+    }[optimizer]
+    groups = {group["name"]: (named(model, group["params"]), group["weight_decay"])
+              for group in parts.optimizer.param_groups}
+    assert (type(parts.optimizer), groups) == expected
+    every = [p for group in parts.optimizer.param_groups for p in group["params"]]
+    assert len(every) == len({id(p) for p in every}) == len(list(model.parameters()))
+    if optimizer == "muon":
+        assert parts.optimizer.other == "adamw"
 
 
 # --- the command line --------------------------------------------------------------------

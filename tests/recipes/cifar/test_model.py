@@ -6,8 +6,8 @@ from recipes.cifar.model import (
     AirbenchNet,
     build_model,
     flip_tta_predict,
-    param_groups,
 )
+from recipes.common.optimizers import param_groups
 
 
 def count(model, trainable_only=False):

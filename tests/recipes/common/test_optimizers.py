@@ -1,5 +1,7 @@
-"""``--optimizer sgd|muon``: which weights Muon takes and the groups each optimizer gets."""
+"""``--optimizer <the recipe's own>|muon``: the weight-decay groups, which weights Muon takes
+and the groups each optimizer gets."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -8,12 +10,25 @@ from recipes.charlm import recipe as charlm
 from recipes.charlm.model import GPT
 from recipes.cifar.model import AirbenchNet, cifar_resnet18
 from recipes.cifar.recipe import Config
-from recipes.common.optimizers import build_optimizer, hidden_weights
+from recipes.common.optimizers import build_optimizer, hidden_weights, param_groups
 
 
 def names(model: nn.Module, params: list[nn.Parameter]) -> set[str]:
     ids = {id(p) for p in params}
     return {name for name, p in model.named_parameters() if id(p) in ids}
+
+
+def test_decay_groups_take_every_matrix_and_embedding_and_list_a_tied_weight_once():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8), nn.Linear(8, 10))
+    model[2].weight = model[0].weight  # tied, as a language model's head
+    model[1].bias.requires_grad_(False)
+    decayed, plain = param_groups(model, weight_decay=0.1)
+    assert (decayed["weight_decay"], plain["weight_decay"]) == (0.1, 0.0)
+    assert names(model, decayed["params"]) == {"0.weight"} and len(decayed["params"]) == 1
+    assert names(model, plain["params"]) == {"1.weight", "2.bias"}  # frozen 1.bias left out
+    for wrong in (-1.0, float("nan"), "0.1"):
+        with pytest.raises(ValueError, match="weight_decay must be a finite number >= 0"):
+            param_groups(model, wrong)
 
 
 def test_muon_takes_the_conv_filters_but_not_the_frozen_whitening_or_the_head():
@@ -63,7 +78,8 @@ def test_the_language_model_gives_its_matrices_to_muon_and_the_rest_to_adamw():
     model = GPT(256, 16, n_layer=2, n_head=2, n_embd=8)
     chosen = names(model, hidden_weights(model))
     assert chosen and all(".attn." in name or ".mlp." in name for name in chosen)
-    assert "wte.weight" not in chosen and "wpe.weight" not in chosen  # lm_head is wte
+    assert "transformer.wte.weight" not in chosen  # the token embedding, tied to lm_head
+    assert "transformer.wpe.weight" not in chosen
     config = charlm.Config(optimizer="muon")
     optimizer = build_optimizer(config, model, own="adamw", normalize=False, lr=1e-3)
     assert optimizer.other == "adamw"
