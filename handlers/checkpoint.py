@@ -23,6 +23,7 @@ import torch
 from ignite.engine import Engine
 
 from engine import Trainer
+from handlers.atomic_write import fsync_dir, write_atomically
 from handlers.checkpoint_files import (
     CHECKPOINT_NAME,
     FORMAT_VERSION,
@@ -30,13 +31,11 @@ from handlers.checkpoint_files import (
     TEMP_NAME,
     CheckpointError,
     claimed_position,
-    fsync_dir,
     link_atomically,
     read_checkpoint,
     sha256_of,
     sidecar_of,
     unloadable_entry,
-    write_atomically,
 )
 from handlers.crash_points import CrashPoints
 from handlers.goal import check_mode

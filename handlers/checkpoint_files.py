@@ -8,8 +8,8 @@ Layout of a checkpoint folder::
     last.pt, last.pt.json   hard links to the newest committed checkpoint of either kind
     best.pt, best.pt.json   hard links to the best one
 
-``write_atomically`` writes a file as temp file → write → flush + fsync → ``os.replace`` →
-fsync of the folder, so a crash at any instant leaves the previous file whole. A .pt is
+Each file is written by ``handlers.atomic_write.write_atomically`` (temp file, fsync, rename,
+fsync of the folder), so a crash at any instant leaves the previous file whole. A .pt is
 trusted only when its sidecar exists and the sha256 and size match (``read_checkpoint``).
 ``link_atomically`` switches ``last.pt``/``best.pt`` with ``os.link`` to a temp name and
 ``os.replace``: hard links keep their data alive whatever retention deletes (the folder must
@@ -22,16 +22,12 @@ import math
 import os
 import re
 import secrets
-import tempfile
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
-
-from handlers.crash_points import CrashPoints
 
 FORMAT_VERSION = 1
 # Keys of every checkpoint besides those of the saved objects.
@@ -90,26 +86,6 @@ def read_checkpoint(path: str | os.PathLike, *, expected_run_id: str | None = No
     if missing:
         raise CheckpointError(path, f"not a checkpoint of this setup: missing keys {missing}")
     return payload
-
-
-def write_atomically(path: Path, write: Callable[[BinaryIO], Any], *, file_mode: int,
-                     crash: CrashPoints) -> None:
-    """Write ``path`` through ``write(file)`` so that it either appears whole or not at all."""
-    crash.reach("before_temp")
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            os.fchmod(file.fileno(), file_mode)
-            write(file)
-            crash.reach("mid_write")
-            file.flush()
-            os.fsync(file.fileno())
-        crash.reach("before_rename")
-        os.replace(temp, path)
-        crash.reach("before_dir_fsync")
-        fsync_dir(path.parent)
-    finally:
-        Path(temp).unlink(missing_ok=True)  # already gone after a successful replace
 
 
 def link_atomically(target: Path, link: Path) -> None:
@@ -184,12 +160,3 @@ def unloadable_entry(value: Any, where: str = "checkpoint") -> str | None:
 def sha256_of(path: Path) -> str:
     with open(path, "rb") as file:
         return hashlib.file_digest(file, "sha256").hexdigest()
-
-
-def fsync_dir(dirname: Path) -> None:
-    """Make renames and new names in ``dirname`` durable."""
-    fd = os.open(dirname, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

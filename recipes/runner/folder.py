@@ -1,14 +1,13 @@
-"""A run's folder: where it is, what config it was started with, and atomic small writes."""
+"""A run's folder: where it is, what config it was started with, and its JSON files."""
 
 import json
 import math
-import os
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from handlers.atomic_write import write_atomically
 from recipes.runner.config import ConfigError
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -48,19 +47,11 @@ def _strict_json(value: Any) -> Any:
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Temp file in the same folder, fsync, rename: readers never see half a file.
-    Non-finite numbers are written as null."""
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as file:
-            json.dump(_strict_json(payload), file, indent=2, sort_keys=True, allow_nan=False)
-            file.write("\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+    """Write ``payload`` as sorted, indented JSON through ``write_atomically`` (temp file,
+    fsync, rename, fsync of the folder): readers never see half a file, and once written it
+    survives a power cut as a checkpoint does. Non-finite numbers are written as null."""
+    text = json.dumps(_strict_json(payload), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    write_atomically(path, lambda file: file.write(text.encode()))
 
 
 def read_saved_config(run_dir: Path) -> dict[str, Any] | None:
