@@ -12,6 +12,7 @@ spin-waits (a run took 35 s with two threads, 10 s with one), and the uninterrup
 reference and the resumed runs must use the same thread count to be bit-identical.
 """
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -348,6 +349,25 @@ def interrupted_run(recipe_case, tmp_path_factory) -> Path:
     assert result.returncode == 137, result.stderr
     assert read_checkpoint(run_dir / "checkpoints" / "last.pt")["meta"]["iteration"] == 15
     return run_dir
+
+
+@pytest.fixture(scope="session", params=["fp16", pytest.param("bf16", marks=pytest.mark.slow)])
+def low_precision_job(request, tmp_path_factory) -> SimpleNamespace:
+    """The charlm job at ``--precision fp16`` or ``bf16``, with its own uninterrupted
+    reference. Every other run here is fp32 (``auto`` on the CPU), whose scaler is disabled
+    and saves nothing; fp16's GradScaler puts its scale and growth tracker in every
+    checkpoint, which a resume must restore. charlm is the cheapest recipe at fp16 on the
+    CPU: ~11 s a run, where CIFAR's fp16 convolutions take ~90 s."""
+    precision = request.param
+    base = _charlm_case(tmp_path_factory.mktemp(f"charlm-{precision}-data"))
+    case = dataclasses.replace(base, args=(*base.args, "--precision", precision))
+    run_dir = tmp_path_factory.mktemp(f"reference-{precision}") / "run"
+    result = run_recipe(case, run_dir)
+    assert result.returncode == 0, result.stderr
+    print(f"{precision} reference run: {result.seconds:.1f} s")
+    return SimpleNamespace(precision=precision, reference=Reference.of(run_dir),
+                           run_recipe=functools.partial(run_recipe, case),
+                           run_and_signal=functools.partial(run_and_signal, case))
 
 
 SIGNALS = {"SIGTERM": (signal.SIGTERM, 143), "SIGINT": (signal.SIGINT, 130)}

@@ -38,6 +38,25 @@ def test_kill9_at_a_random_moment_then_rerun_finishes_identically(seed, referenc
     reference.assert_matches(run_dir)
 
 
+
+def test_kill9_at_fp16_or_bf16_then_rerun_finishes_identically(low_precision_job, tmp_path):
+    """The same kill with a loss scaler in play (fp16: its scale and growth tracker must
+    come back from the checkpoint) and with bf16 autocast."""
+    job, run_dir = low_precision_job, tmp_path / "run"
+    scaler = job.reference.state["scaler"]
+    if job.precision == "fp16":
+        assert scaler["scale"] > 0 and scaler["_growth_tracker"] > 0
+    else:
+        assert scaler == {}  # bf16 needs no scaler: a disabled one saves nothing
+
+    killed = job.run_and_signal(run_dir, signal.SIGKILL, 5, 0.2)  # past the step-9 save
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+    resumed = job.run_recipe(run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    job.reference.assert_matches(run_dir)
+
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", CRASH_PHASES)
 def test_crash_inside_a_checkpoint_save_then_rerun_finishes_identically(phase, reference,
