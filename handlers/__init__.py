@@ -1,8 +1,11 @@
-"""Event handlers: one concern per module, attached by the recipe."""
+"""Event handlers: one concern per module, each attached as
+``handler.attach(trainer, evaluator=None)`` (``handlers.handler``)."""
 
 from handlers.checkpoint import Checkpointer, CheckpointError, ResumeInfo, read_checkpoint
 from handlers.early_stopping import EarlyStopping
+from handlers.goal import Goal
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
+from handlers.handler import Handler
 from handlers.lookahead import Lookahead
 from handlers.lr_finder import LRFinderResult, find_lr, plot_lr_find
 from handlers.lr_scheduling import (
@@ -23,7 +26,9 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "EarlyStopping",
+    "Goal",
     "GradientTelemetry",
+    "Handler",
     "LRFinderResult",
     "LRSchedulerHandler",
     "Lookahead",

@@ -14,15 +14,16 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from ignite.engine import Engine
+from ignite.engine import Engine, Events
 
-from engine import Trainer
+from engine import Trainer, TrainEvents
+from handlers.arguments import check_int
 from handlers.atomic_write import fsync_dir, write_atomically
 from handlers.checkpoint_files import (
     CHECKPOINT_NAME,
@@ -38,9 +39,10 @@ from handlers.checkpoint_files import (
     unloadable_entry,
 )
 from handlers.crash_points import CrashPoints
-from handlers.goal import check_mode
+from handlers.goal import Goal
 
 logger = logging.getLogger(__name__)
+SaveHandler = Callable[[Engine], None]
 
 
 
@@ -64,8 +66,14 @@ class Checkpointer:
     {run_id, config, kind, epoch, iteration, optimizer_step, metric, saved_at_unix,
     format_version}}`` and loads with ``torch.load(path, weights_only=True)``.
 
-    ``save_last`` expects the trainer's ``TrainEvents.OPTIMIZER_STEP(every=N)`` and
-    ``Events.EPOCH_COMPLETED``; ``save_best`` the evaluator's ``Events.COMPLETED``.
+    ``attach(trainer, evaluator=None)`` registers ``save_last`` on the trainer's
+    ``TrainEvents.OPTIMIZER_STEP`` every ``save_every`` optimizer steps (when given; not at
+    an epoch's last iteration: that one is saved at ``Events.EPOCH_COMPLETED``, after the
+    epoch's evaluation, so a resumed run never skips an evaluation) and on
+    ``Events.EPOCH_COMPLETED``, and, with a ``best`` goal and an evaluator, ``save_best``
+    on the evaluator's ``Events.COMPLETED``. ``wrap_save`` wraps each save it registers
+    (the run layer's makes a save a collective across processes); ``last_handler`` is the
+    wrapped ``save_last``, for a handler that saves at other moments (a graceful stop).
     A save of the iteration just saved is skipped; so is one whose weights are not
     finite (with a warning). A disk error (ENOSPC, EACCES, read-only folder) raises
     ``CheckpointError`` with the path and the OS reason, leaving the previous checkpoint
@@ -75,11 +83,9 @@ class Checkpointer:
 
         ckpt = Checkpointer("runs/cifar/r1/checkpoints", {"model": model, "optimizer": opt,
                             "trainer": trainer, "rng": RngState()}, run_id=run_id,
-                            metric="accuracy", mode="max")
+                            best=Goal("accuracy", "max"), save_every=500)
         ckpt.resume("auto")  # None on a fresh folder
-        trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP(every=500), ckpt.save_last)
-        trainer.add_event_handler(Events.EPOCH_COMPLETED, ckpt.save_last)
-        evaluator.add_event_handler(Events.COMPLETED, ckpt.save_best)
+        ckpt.attach(trainer, evaluator)
     """
 
     def __init__(
@@ -91,8 +97,9 @@ class Checkpointer:
         config: dict[str, Any] | None = None,
         keep_last: int = 3,
         keep_best: int = 1,
-        metric: str | None = None,
-        mode: str = "max",
+        best: Goal | None = None,
+        save_every: int | None = None,
+        wrap_save: Callable[[SaveHandler], SaveHandler] | None = None,
         file_mode: int = 0o640,
     ) -> None:
         _check_to_save(to_save)
@@ -103,12 +110,12 @@ class Checkpointer:
         unloadable_config = None if config is None else unloadable_entry(config, "config")
         if unloadable_config:
             raise ValueError(f"config must hold plain values: {unloadable_config}")
-        for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1 (checkpoints), got {value!r}")
-        if metric is not None and (not isinstance(metric, str) or not metric):
-            raise ValueError(f"metric must be an evaluator metric name or None, got {metric!r}")
-        check_mode(mode)
+        check_int("keep_last", keep_last, 1, "checkpoints")
+        check_int("keep_best", keep_best, 1, "checkpoints")
+        if best is not None and not isinstance(best, Goal):
+            raise ValueError(f"best must be a Goal(metric, mode) or None, got {best!r}")
+        if save_every is not None:
+            check_int("save_every", save_every, 1, "optimizer steps")
         if isinstance(file_mode, bool) or not isinstance(file_mode, int) or (
             file_mode & ~0o777 or file_mode & 0o600 != 0o600
         ):
@@ -118,13 +125,35 @@ class Checkpointer:
         self.dirname.mkdir(parents=True, exist_ok=True)
         self.to_save, self.trainer = dict(to_save), to_save["trainer"]
         self.run_id, self.config = run_id, config
-        self.keep_last, self.keep_best, self.metric, self.mode = keep_last, keep_best, metric, mode
+        self.keep_last, self.keep_best, self.best, self.save_every = (
+            keep_last, keep_best, best, save_every)
+        self.metric, self.mode = (best.metric, best.mode) if best else (None, None)
+        wrap = wrap_save or (lambda save: save)
+        self.last_handler, self.best_handler = wrap(self.save_last), wrap(self.save_best)
         self.file_mode = file_mode
         self._crash = CrashPoints()  # test-only fault injection, off unless its variable is set
         self._history: list[str] = []  # oldest first
         self._best: list[dict[str, Any]] = []  # {"file", "score"}, best first
         self._evict: list[str] = []  # committed as evicted, deletion not yet confirmed
         self._last_iteration = self._best_iteration = -1
+
+    def attach(self, trainer: Engine, evaluator: Engine | None = None) -> None:
+        """Register the saves; see the class docstring for the events."""
+        if trainer is not self.trainer:
+            raise ValueError("attach the Checkpointer to the trainer in its to_save")
+        if evaluator is not None and self.best is not None:
+            evaluator.add_event_handler(Events.COMPLETED, self.best_handler)
+        if self.save_every is not None:
+            trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP, self._save_on_cadence)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, self.last_handler)
+
+    def _save_on_cadence(self, engine: Engine) -> None:
+        """A plain test rather than an Ignite event filter, whose wrapper costs about three
+        times as much at every step."""
+        state = engine.state
+        if state.optimizer_step % self.save_every == 0 and (
+                state.iteration % state.epoch_length != 0):
+            self.last_handler(engine)
 
     def save_last(self, engine: Engine) -> None:
         """Save the trainer's current state as ``step-<optimizer_step>.pt`` and ``last.pt``."""
@@ -141,12 +170,9 @@ class Checkpointer:
         """Save the trainer's state as ``best-step-<optimizer_step>.pt`` when
         ``evaluator.state.metrics[metric]`` is among the ``keep_best`` best; a
         non-finite score never is."""
-        if self.metric is None:
-            raise ValueError("save_best needs Checkpointer(metric=...) to rank checkpoints")
-        if self.metric not in evaluator.state.metrics:
-            raise KeyError(f"metric {self.metric!r} is not among the evaluator's metrics "
-                           f"{sorted(evaluator.state.metrics)}")
-        score = float(evaluator.state.metrics[self.metric])  # once per evaluation
+        if self.best is None:
+            raise ValueError("save_best needs Checkpointer(best=Goal(...)) to rank checkpoints")
+        score = self.best.score(evaluator)  # once per evaluation
         if self.trainer.state.iteration == self._best_iteration:
             return
         if not math.isfinite(score):

@@ -5,7 +5,7 @@ from collections.abc import Callable
 from types import FrameType
 
 import ignite.distributed as idist
-from ignite.engine import Events
+from ignite.engine import Engine, Events
 
 from engine import Trainer
 from engine.step import window_position
@@ -28,7 +28,7 @@ class GracefulStop:
 
     Example::
 
-        stop = GracefulStop(checkpointer.save_last)
+        stop = GracefulStop(checkpointer.last_handler)
         stop.attach(trainer)
         trainer.run(batches, max_epochs=10)
         stop.restore()
@@ -47,7 +47,9 @@ class GracefulStop:
     def exit_code(self) -> int | None:
         return None if self.received is None else EXIT_CODES[self.received]
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
+        """Install the signal handlers and listen to the trainer's events named in the
+        class docstring; evaluations are not interrupted."""
         # Read once: idist's lookup costs microseconds, and this runs at every window's end.
         self._world_size = idist.get_world_size()
         for signum in EXIT_CODES:

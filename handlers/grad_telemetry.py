@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from engine import Trainer, TrainEvents
 from engine.gradients import CLIP_EPS
+from handlers.arguments import check_int
 
 # A median pre-clip norm above this multiple of max_grad_norm means clipping does the job of a
 # smaller learning rate.
@@ -37,20 +38,21 @@ class TelemetryReport:
 class GradientTelemetry:
     """Gradient norms, clipping, AMP scale and train loss, summarised every ``log_every`` steps.
 
-    ``attach(trainer)`` listens to ``TrainEvents.OPTIMIZER_STEP`` (every applied
-    step), ``TrainEvents.STEP_SKIPPED``, ``Events.ITERATION_COMPLETED`` when the trainer
-    accumulates (the losses of a window's earlier micro-batches), and
-    ``Events.COMPLETED``/``Events.TERMINATE``. Between reports nothing runs on the
-    device: the step's pre-clip norm and each micro-batch's loss, already device
-    scalars, are only kept in lists. Every ``log_every`` optimizer steps one transfer
-    reads them and builds ``stats``: ``loss_mean``, ``lr``, ``grad_norm_mean``,
-    ``grad_norm_max``, ``grad_norm_clipped_mean``, ``clip_fraction``, ``skipped_steps``
-    and, under fp16, ``amp_scale``; ``lr`` is the first param group's, and when the groups'
-    LRs differ (Muon and SGD groups) each one's is there too, as ``lr/<group name>`` (its
-    ``name`` key, else its index). The post-clip norm and whether a step was clipped
-    follow on the host from the pre-clip norm and the trainer's ``max_grad_norm`` (a
-    step is clipped when its norm exceeds it). The report is kept as ``latest`` and
-    passed to every ``add_listener`` callback.
+    ``attach(trainer, evaluator=None)`` listens to the trainer's
+    ``TrainEvents.OPTIMIZER_STEP`` (every applied step), ``TrainEvents.STEP_SKIPPED``,
+    ``Events.ITERATION_COMPLETED`` when the trainer accumulates (the losses of a window's
+    earlier micro-batches), and ``Events.COMPLETED``/``Events.TERMINATE``; evaluations are
+    not watched. Between reports nothing runs on the device: the step's pre-clip norm and
+    each micro-batch's loss, already device scalars, are only kept in lists. Every
+    ``log_every`` optimizer steps one transfer reads them and builds ``stats``:
+    ``loss_mean``, ``lr``, ``grad_norm_mean``, ``grad_norm_max``,
+    ``grad_norm_clipped_mean``, ``clip_fraction``, ``skipped_steps`` and, under fp16,
+    ``amp_scale``; ``lr`` is the first param group's, and when the groups' LRs differ (Muon
+    and SGD groups) each one's is there too, as ``lr/<group name>`` (its ``name`` key, else
+    its index). The post-clip norm and whether a step was clipped follow on the host from
+    the pre-clip norm and the trainer's ``max_grad_norm`` (a step is clipped when its norm
+    exceeds it). The report is kept as ``latest`` and passed to every ``add_listener``
+    callback.
 
     With ``layer_every`` (a multiple of ``log_every``), an optimizer step pre-hook,
     registered for those steps only, measures each parameter's gradient norm (unscaled,
@@ -73,8 +75,7 @@ class GradientTelemetry:
     def __init__(
         self, log_every: int, layer_every: int | None = None, top_k_layers: int = 5
     ) -> None:
-        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
-            raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
+        check_int("log_every", log_every, 1)
         if layer_every is not None and (
             isinstance(layer_every, bool)
             or not isinstance(layer_every, int)
@@ -85,8 +86,7 @@ class GradientTelemetry:
                 f"layer_every must be None or a positive multiple of log_every={log_every}, "
                 f"got {layer_every!r}"
             )
-        if isinstance(top_k_layers, bool) or not isinstance(top_k_layers, int) or top_k_layers < 1:
-            raise ValueError(f"top_k_layers must be an int >= 1, got {top_k_layers!r}")
+        check_int("top_k_layers", top_k_layers, 1)
         self.log_every, self.layer_every, self.top_k_layers = log_every, layer_every, top_k_layers
         self.latest: TelemetryReport | None = None
         self._listeners: list[Callable[[TelemetryReport], None]] = []
@@ -105,7 +105,7 @@ class GradientTelemetry:
         self._hist_start = 0
         self._health_printed = False
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
         self._trainer = trainer
         self._move_to(trainer.precision.device)  # a state loaded before attaching
         trainer.add_event_handler(Events.STARTED, self._on_started)

@@ -8,7 +8,8 @@ import torch
 from ignite.engine import Engine, Events
 
 from engine import Trainer
-from handlers.goal import best_of, check_mode
+from handlers.arguments import check_int
+from handlers.goal import STANDARD_MODES, best_of, check_mode
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
 
 
@@ -17,26 +18,28 @@ class RunHistory:
     metric per evaluation) and the run's totals (epochs, training time and samples),
     so the summary and the plot cover the whole run across resumes.
 
-    ``attach(trainer, telemetry, evaluator)`` listens to the telemetry reports, the
-    evaluator's ``Events.COMPLETED`` and the trainer's ``Events.EPOCH_COMPLETED``.
+    ``attach(trainer, evaluator=None)`` listens to ``telemetry``'s reports, the trainer's
+    ``Events.EPOCH_STARTED`` and ``Events.EPOCH_COMPLETED``, and the evaluator's
+    ``Events.COMPLETED`` (when given).
     It reads nothing from the device: the telemetry already did, and validation
     metrics are Python numbers once per evaluation.
 
     Example::
 
-        history = RunHistory(batch_size=512, modes={"accuracy": "max", "loss": "min"})
-        history.attach(trainer, telemetry, evaluator)
+        history = RunHistory(batch_size=512, modes={"accuracy": "max", "loss": "min"},
+                             telemetry=telemetry)
+        history.attach(trainer, evaluator)
         trainer.run(batches, max_epochs=3)
         print(history.summary(trainer))
     """
 
-    def __init__(self, batch_size: int, modes: Mapping[str, str] | None = None) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        modes = {"accuracy": "max", "loss": "min"} if modes is None else dict(modes)
+    def __init__(self, batch_size: int, modes: Mapping[str, str] | None = None, *,
+                 telemetry: GradientTelemetry) -> None:
+        check_int("batch_size", batch_size, 1)
+        modes = dict(STANDARD_MODES if modes is None else modes)
         for name, mode in modes.items():
             check_mode(mode, f"modes[{name!r}]")
-        self.batch_size, self.modes = batch_size, modes
+        self.batch_size, self.modes, self.telemetry = batch_size, modes, telemetry
         self.train: dict[str, list[float]] = {"step": [], "loss": [], "lr": []}
         self.val: dict[str, list[float]] = {"step": []}
         self.epochs_completed = 0
@@ -49,10 +52,11 @@ class RunHistory:
         self._trainer: Trainer | None = None
         self._epoch_start: tuple[int, float] | None = None  # (iteration, monotonic) while open
 
-    def attach(self, trainer: Trainer, telemetry: GradientTelemetry, evaluator: Engine) -> None:
+    def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
         self._trainer = trainer
-        telemetry.add_listener(self._on_report)
-        evaluator.add_event_handler(Events.COMPLETED, self._on_validation, trainer)
+        self.telemetry.add_listener(self._on_report)
+        if evaluator is not None:
+            evaluator.add_event_handler(Events.COMPLETED, self._on_validation, trainer)
         trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self._on_epoch_completed)
 

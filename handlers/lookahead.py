@@ -16,15 +16,11 @@ and never writes back into the trained one: here the write-back is the point.
 from typing import Any
 
 import torch
-from ignite.engine import Events
+from ignite.engine import Engine, Events
 from torch import nn
 
 from engine import Trainer, TrainEvents
-
-
-def _check_number(name: str, value: Any, lo: float, hi: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-        raise ValueError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
+from handlers.arguments import check_int, check_number
 
 
 class Lookahead:
@@ -54,20 +50,19 @@ class Lookahead:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
-        for name, value in (("total_steps", total_steps), ("every", every)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
-        _check_number("decay_base", decay_base, 0.0, 1.0)
-        _check_number("decay_power", decay_power, 0.0, 100.0)
+        check_int("total_steps", total_steps, 1)
+        check_int("every", every, 1)
+        check_int("start_step", start_step, 0)
+        check_number("decay_base", decay_base, 0.0, 1.0, "[]")
+        check_number("decay_power", decay_power, 0.0, 100.0, "[]")
         self.model, self.total_steps, self.every = model, total_steps, every
         self.decay_base, self.decay_power, self.start_step = decay_base, decay_power, start_step
         self.average: dict[str, torch.Tensor] | None = None
 
-    def attach(self, trainer: Trainer) -> None:
-        """Average on ``OPTIMIZER_STEP``; copy the average back at ``EPOCH_COMPLETED``.
-        Attach before the handlers that evaluate or save at the epoch's end."""
+    def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
+        """Average on the trainer's ``OPTIMIZER_STEP``; copy the average back at its
+        ``EPOCH_COMPLETED`` (evaluations are not watched: they see the copied-back
+        weights). Attach before the handlers that evaluate or save at the epoch's end."""
         trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP, self._on_step)
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self._on_epoch_completed)
 

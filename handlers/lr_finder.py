@@ -34,6 +34,7 @@ from torch import nn
 
 from engine import NonFiniteGradientError, RngState, Trainer, TrainEvents, create_trainer
 from engine.trainer import TRAINER_STATE_KEYS
+from handlers.arguments import check_int, check_number
 
 RULE = (
     "steepest descent: the LR where the smoothed loss falls fastest against log10(LR) "
@@ -73,12 +74,6 @@ class LRFinderResult:
                 f"lowest loss at {self.min_loss_lr:.3g}; {swept}")
 
 
-def _check_positive(name: str, value: Any) -> None:
-    if (isinstance(value, bool) or not isinstance(value, int | float)
-            or not 0 < value < math.inf):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-
-
 def _validate(trainer: Any, batches: Any, start_lr: Any, end_lr: Any, num_steps: Any,
               smoothing: Any, diverge_factor: Any, restore: Sequence[Any]) -> None:
     if not isinstance(trainer, Trainer):
@@ -86,17 +81,14 @@ def _validate(trainer: Any, batches: Any, start_lr: Any, end_lr: Any, num_steps:
                          f"{type(trainer).__name__}")
     if not isinstance(batches, Iterable):
         raise ValueError(f"batches must be an iterable of batches, got {type(batches).__name__}")
-    _check_positive("start_lr", start_lr)
-    _check_positive("end_lr", end_lr)
+    check_number("start_lr", start_lr, 0, bounds="()")
+    check_number("end_lr", end_lr, 0, bounds="()")
     if not end_lr > start_lr:
         raise ValueError(f"end_lr must be greater than start_lr, got {end_lr!r} <= {start_lr!r}")
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 2:
-        raise ValueError(f"num_steps must be an int >= 2, got {num_steps!r}")
-    if (isinstance(smoothing, bool) or not isinstance(smoothing, int | float)
-            or not 0 <= smoothing < 1):
-        raise ValueError(f"smoothing must be a number in [0, 1), got {smoothing!r}")
+    check_int("num_steps", num_steps, 2)
+    check_number("smoothing", smoothing, 0, 1, "[)")
     if diverge_factor is not None:
-        _check_positive("diverge_factor", diverge_factor)
+        check_number("diverge_factor", diverge_factor, 0, bounds="()")
         if not diverge_factor > 1:
             raise ValueError(f"diverge_factor must be > 1 or None, got {diverge_factor!r}")
     for obj in restore:

@@ -29,6 +29,7 @@ from ignite.engine import Engine, Events
 from torch.optim import Optimizer, lr_scheduler
 
 from engine.events import TrainEvents
+from handlers.arguments import check_choice, check_int, check_number
 
 CLOCKS = ("step", "epoch", "metric")
 _REQUIRED_CLOCK = {
@@ -55,8 +56,7 @@ class LRSchedulerHandler:
     def __init__(
         self, scheduler: lr_scheduler.LRScheduler, clock: str, metric: str | None = None
     ) -> None:
-        if clock not in CLOCKS:
-            raise ValueError(f"clock={clock!r} is not known; allowed: 'step', 'epoch', 'metric'")
+        check_choice("clock", clock, CLOCKS)
         name = type(scheduler).__name__
         if not isinstance(scheduler, lr_scheduler.LRScheduler):
             raise ValueError(f"scheduler must be a torch.optim.lr_scheduler scheduler, got {name}")
@@ -119,9 +119,8 @@ def continue_with_new_settings(
     and replaces ``handler``'s scheduler. A plateau schedule has no position to replay:
     the LR it reached is scaled by ``new_lr / old_lr``.
     """
-    for name, value in (("old_lr", old_lr), ("new_lr", new_lr)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    check_number("old_lr", old_lr, 0, bounds="()")
+    check_number("new_lr", new_lr, 0, bounds="()")
     optimizer = handler.scheduler.optimizer
     if handler.clock == "metric":
         for group in optimizer.param_groups:
@@ -160,9 +159,8 @@ def _plain(value: Any) -> Any:
 
 def optimizer_steps_per_epoch(batches: int, accum_steps: int) -> int:
     """Optimizer steps in an epoch of ``batches`` micro-batches: the last window may be short."""
-    for name, value in (("batches", batches), ("accum_steps", accum_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    check_int("batches", batches, 1)
+    check_int("accum_steps", accum_steps, 1)
     return math.ceil(batches / accum_steps)
 
 
@@ -238,8 +236,7 @@ def _step(optimizer: Optimizer, run: RunLength, *, step_size: int | None = None,
           gamma: float = 0.1) -> Built:
     """StepLR: multiply by ``gamma`` every ``step_size`` epochs (default: a third of the run)."""
     step_size = max(1, run.epochs // 3) if step_size is None else step_size
-    if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size < 1:
-        raise ValueError(f"step_size must be an int >= 1 (epochs), got {step_size!r}")
+    check_int("step_size", step_size, 1, "epochs")
     return lr_scheduler.StepLR(optimizer, step_size, gamma), "epoch"
 
 
@@ -324,15 +321,10 @@ def build_scheduler(
             optimizer_steps_per_epoch(len(loader), accum_steps=4), epochs=30, warmup_epochs=2)
         sched.attach(trainer, evaluator)
     """
-    if name not in SCHEDULER_NAMES:
-        raise ValueError(f"scheduler {name!r} is not known; allowed: {', '.join(SCHEDULER_NAMES)}")
-    for arg, value in (("steps_per_epoch", steps_per_epoch), ("epochs", epochs)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
-    if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int | float) or not (
-        0 <= warmup_epochs < epochs
-    ):
-        raise ValueError(f"warmup_epochs must be in [0, epochs={epochs}), got {warmup_epochs!r}")
+    check_choice("scheduler", name, SCHEDULER_NAMES)
+    check_int("steps_per_epoch", steps_per_epoch, 1)
+    check_int("epochs", epochs, 1)
+    check_number("warmup_epochs", warmup_epochs, 0, epochs, "[)")
     if warmup_epochs and name != "warmup_cosine":
         raise ValueError(f"warmup_epochs only applies to 'warmup_cosine', not {name!r}: use 0")
     if name == "none":

@@ -8,6 +8,7 @@ from ignite.engine import Engine, Events
 from tqdm import tqdm
 
 from engine import Trainer
+from handlers.arguments import check_choice
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
 
 PROGRESS_MODES = ("auto", "bar", "plain", "off")
@@ -16,8 +17,10 @@ PROGRESS_MODES = ("auto", "bar", "plain", "off")
 class Progress:
     """Loss, learning rate, gradient norm and time left, refreshed at each telemetry report.
 
-    ``attach(trainer, telemetry)`` takes its numbers from a ``GradientTelemetry``
-    listener (already on the host: no sync of its own). ``mode="auto"`` draws a bar
+    ``attach(trainer, evaluator=None)`` listens to the trainer's ``Events.STARTED`` and
+    (for the bar) ``EPOCH_STARTED``, ``ITERATION_COMPLETED`` and ``COMPLETED``, and takes
+    its numbers from ``telemetry``'s reports (already on the host: no sync of its own);
+    evaluations are not shown. ``mode="auto"`` draws a bar
     when the output stream (stderr by default) is a terminal and prints plain lines
     otherwise (log files, CI), e.g.
     ``epoch 2/10 step 340 it 68/98 loss 1.234 lr 0.04 grad_norm 0.83 eta 4m12s``;
@@ -37,25 +40,25 @@ class Progress:
 
         telemetry = GradientTelemetry(log_every=50)
         telemetry.attach(trainer)
-        Progress(mode="auto").attach(trainer, telemetry)
+        Progress(mode="auto", telemetry=telemetry).attach(trainer)
     """
 
-    def __init__(self, mode: str = "auto", stream: TextIO | None = None) -> None:
-        if mode not in PROGRESS_MODES:
-            raise ValueError(f"mode={mode!r} is not known; allowed: {', '.join(PROGRESS_MODES)}")
+    def __init__(self, mode: str = "auto", stream: TextIO | None = None, *,
+                 telemetry: GradientTelemetry) -> None:
+        check_choice("mode", mode, PROGRESS_MODES)
         if mode == "auto":
             mode = "bar" if (stream or sys.stderr).isatty() else "plain"
-        self.mode, self.stream = mode, stream
+        self.mode, self.stream, self.telemetry = mode, stream, telemetry
         self._trainer: Trainer | None = None
         self._bar: tqdm | None = None
         self._start_time, self._start_iteration = 0.0, 0
 
-    def attach(self, trainer: Trainer, telemetry: GradientTelemetry) -> None:
+    def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
         if self.mode == "off":
             return
         self._trainer = trainer
         trainer.add_event_handler(Events.STARTED, self._on_started)
-        telemetry.add_listener(self._on_report)
+        self.telemetry.add_listener(self._on_report)
         if self.mode == "bar":
             trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
             trainer.add_event_handler(Events.ITERATION_COMPLETED, self._on_iteration)

@@ -39,8 +39,9 @@ handler's view of the step.
 Example::
 
     guard = SpikeGuard(factor=6.0, repeat=3, repeat_window=50, skip_batches=200)
-    guard.attach(trainer, {"model": model, "optimizer": optimizer, "scaler": trainer.scaler,
-                           "scheduler": scheduler, "rng": rng})
+    guard.rolls_back({"model": model, "optimizer": optimizer, "scaler": trainer.scaler,
+                      "scheduler": scheduler, "rng": rng})
+    guard.attach(trainer)
     to_save["spike_guard"] = guard  # the ladder and its snapshot in every checkpoint
 """
 
@@ -52,10 +53,10 @@ from typing import Any
 
 import ignite.distributed as idist
 import torch
-from ignite.engine import Events
+from ignite.engine import Engine, Events
 
 from engine import Trainer, TrainEvents
-from handlers.arguments import check_int
+from handlers.arguments import check_bool, check_int, check_number
 
 WATCHABLE = ("loss", "grad_norm")
 
@@ -75,12 +76,6 @@ class SpikeAction:
     iteration: int
     message: str
     counts: dict[str, float]
-
-
-def _check_number(name: str, value: Any, low: float, high: float) -> None:
-    """``low < value < high``."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low < value < high:
-        raise ValueError(f"{name} must be a number in ({low}, {high}), got {value!r}")
 
 
 class SpikeGuard:
@@ -114,7 +109,7 @@ class SpikeGuard:
         max_rollbacks: int = 1,
         quiet: bool = False,
     ) -> None:
-        _check_number("factor", factor, 1.0, math.inf)
+        check_number("factor", factor, 1.0, bounds="()")
         check_int("history", history, 1)
         check_int("min_history", min_history, 1)
         if min_history > history:
@@ -127,11 +122,10 @@ class SpikeGuard:
         check_int("snapshot_every", snapshot_every, 1)
         check_int("skip_batches", skip_batches, 0)
         if cooldown_factor != 1.0:
-            _check_number("cooldown_factor", cooldown_factor, 0.0, 1.0)
+            check_number("cooldown_factor", cooldown_factor, 0.0, 1.0, "()")
         check_int("cooldown_steps", cooldown_steps, 0)
         check_int("max_rollbacks", max_rollbacks, 0)
-        if not isinstance(quiet, bool):
-            raise ValueError(f"quiet must be True or False, got {quiet!r}")
+        check_bool("quiet", quiet)
         self.factor, self.history, self.min_history = float(factor), history, min_history
         self.watch = tuple(watch)
         self.repeat, self.repeat_window = repeat, repeat_window
@@ -151,22 +145,32 @@ class SpikeGuard:
         self._state: dict[str, Any] = {}
         self._listeners: list[Callable[[SpikeAction], None]] = []
 
-    def attach(self, trainer: Trainer, state: Mapping[str, Any]) -> None:
-        """Veto spikes in ``trainer``'s step and roll back ``state`` (name -> object with
-        ``state_dict``/``load_state_dict``: the model, optimizer, scaler, LR schedule, RNG
+    def rolls_back(self, state: Mapping[str, Any]) -> None:
+        """What a rollback restores: ``state`` maps names to objects with
+        ``state_dict``/``load_state_dict`` (the model, optimizer, scaler, LR schedule, RNG
         and handlers whose state follows the weights; not the trainer, this guard, or
-        records of what happened such as telemetry and history)."""
-        if not isinstance(trainer, Trainer):
-            raise ValueError(f"trainer must be the Trainer from create_trainer, got "
-                             f"{type(trainer).__name__}")
+        records of what happened such as telemetry and history). Call before ``attach``."""
         for name, obj in state.items():
-            if obj is trainer or obj is self:
-                raise ValueError(f"state[{name!r}]: the trainer and the guard are not rolled "
-                                 "back (the guard moves the trainer's position itself)")
+            if obj is self:
+                raise ValueError(f"state[{name!r}]: the guard is not rolled back")
             if not (callable(getattr(obj, "state_dict", None))
                     and callable(getattr(obj, "load_state_dict", None))):
                 raise ValueError(f"state[{name!r}] has no state_dict()/load_state_dict()")
-        self._trainer, self._state = trainer, dict(state)
+        self._state = dict(state)
+
+    def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
+        """Veto spikes in ``trainer``'s step (``Trainer.set_step_veto``) and listen to its
+        ``TrainEvents.OPTIMIZER_STEP``, ``STEP_SKIPPED``, ``STEP_VETOED`` and
+        ``Events.STARTED``; evaluations are not watched. ``rolls_back`` names the state a
+        rollback restores."""
+        if not isinstance(trainer, Trainer):
+            raise ValueError(f"trainer must be the Trainer from create_trainer, got "
+                             f"{type(trainer).__name__}")
+        for name, obj in self._state.items():
+            if obj is trainer:
+                raise ValueError(f"state[{name!r}]: the trainer is not rolled back (the guard "
+                                 "moves the trainer's position itself)")
+        self._trainer = trainer
         device = trainer.precision.device
         self._ring = torch.full((self.history, 2), math.nan, device=device)
         self._watched = torch.tensor([name in self.watch for name in WATCHABLE], device=device)

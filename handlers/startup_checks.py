@@ -15,6 +15,7 @@ import torch
 from ignite.engine import Engine, Events
 
 from engine import Trainer
+from handlers.arguments import check_int, check_number
 
 
 class StartupCheckError(ValueError):
@@ -43,17 +44,15 @@ class StartupChecks:
 
     def __init__(self, num_classes: int | None = None, loss_tolerance: float = 0.5,
                  stream: TextIO | None = None) -> None:
-        if num_classes is not None and (isinstance(num_classes, bool)
-                                        or not isinstance(num_classes, int) or num_classes < 2):
-            raise ValueError(f"num_classes must be None or an int >= 2, got {num_classes!r}")
-        if isinstance(loss_tolerance, bool) or not isinstance(loss_tolerance, int | float) or (
-                not 0 < loss_tolerance < 1):
-            raise ValueError(f"loss_tolerance must be a number in (0, 1), got {loss_tolerance!r}")
+        if num_classes is not None:
+            check_int("num_classes", num_classes, 2)
+        check_number("loss_tolerance", loss_tolerance, 0, 1, "()")
         self.num_classes, self.loss_tolerance, self.stream = num_classes, loss_tolerance, stream
         self.findings: list[str] = []
         self._fresh = True
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
+        """Listen to the trainer's ``STARTED``; evaluations are not checked."""
         trainer.add_event_handler(Events.STARTED, self._on_started)
 
     def _on_started(self, trainer: Engine) -> None:

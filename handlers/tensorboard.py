@@ -14,8 +14,9 @@ from torch.utils.tensorboard.summary import histogram
 from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
 from engine import Trainer
+from handlers.arguments import check_int
 from handlers.event_file import EventFile, tensorflow_bins
-from handlers.goal import check_mode, is_better
+from handlers.goal import STANDARD_MODES, check_mode, is_better
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
 
 # Telemetry stat -> TensorBoard tag.
@@ -37,14 +38,15 @@ class TensorBoardLogger:
     """Writes one TensorBoard run into ``log_dir``, every scalar indexed by
     ``trainer.state.optimizer_step`` so train and validation curves share one axis.
 
-    ``attach(trainer, telemetry, evaluator=None)`` registers:
-    - a ``GradientTelemetry`` listener: ``train/loss``, ``train/lr``,
+    ``attach(trainer, evaluator=None)`` registers:
+    - a listener on ``telemetry`` (a ``GradientTelemetry``): ``train/loss``, ``train/lr``,
       ``train/grad_norm``, ``train/grad_norm_max``, ``train/grad_norm_clipped``,
       ``train/clip_fraction``, ``train/skipped_steps``, ``train/amp_scale`` (fp16),
       and on the telemetry's ``layer_every`` cadence ``train/layer_grad_norm/<name>``
       and the histogram ``train/grad_norm_hist``. These numbers were read from the
       device once by the telemetry: logging adds no sync and no per-iteration work;
-    - the evaluator's ``Events.COMPLETED``: ``val/<name>`` for every scalar metric;
+    - the evaluator's ``Events.COMPLETED`` (when given): ``val/<name>`` for every scalar
+      metric;
     - the trainer's ``Events.EPOCH_COMPLETED``: ``perf/epoch_time_sec`` (Ignite's
       epoch loop time, before validation runs) and ``perf/samples_per_sec``
       (iterations x ``batch_size``; without it, the leading size of the epoch's last
@@ -77,8 +79,9 @@ class TensorBoardLogger:
 
         telemetry = GradientTelemetry(log_every=50, layer_every=500)
         telemetry.attach(trainer)
-        tensorboard = TensorBoardLogger(run_dir, hparams=asdict(config), batch_size=128)
-        tensorboard.attach(trainer, telemetry, evaluator)
+        tensorboard = TensorBoardLogger(run_dir, hparams=asdict(config), batch_size=128,
+                                        telemetry=telemetry)
+        tensorboard.attach(trainer, evaluator)
     """
 
     def __init__(
@@ -87,17 +90,18 @@ class TensorBoardLogger:
         hparams: Mapping[str, Any] | None = None,
         batch_size: int | None = None,
         modes: Mapping[str, str] | None = None,
+        *,
+        telemetry: GradientTelemetry,
     ) -> None:
-        if batch_size is not None and (
-            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-        ):
-            raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")
+        if batch_size is not None:
+            check_int("batch_size", batch_size, 1)
         if hparams is not None and not isinstance(hparams, Mapping):
             raise ValueError(f"hparams must be None or a mapping, got {type(hparams).__name__}")
-        modes = {"loss": "min", "accuracy": "max"} if modes is None else dict(modes)
+        modes = dict(STANDARD_MODES if modes is None else modes)
         for name, mode in modes.items():
             check_mode(mode, f"modes[{name!r}]")
         self.hparams, self.batch_size, self.modes = hparams, batch_size, modes
+        self.telemetry = telemetry
         self.writer = EventFile(log_dir)
         # TensorBoard's default bucket edges (~1500) as an array once: the histogram would
         # convert the list at every call, four fifths of its cost.
@@ -107,11 +111,9 @@ class TensorBoardLogger:
         self._epoch_start_iteration = 0
         self._reports: list[tuple[TelemetryReport, float]] = []  # (report, wall time)
 
-    def attach(
-        self, trainer: Trainer, telemetry: GradientTelemetry, evaluator: Engine | None = None
-    ) -> None:
+    def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
         self._trainer = trainer
-        telemetry.add_listener(self._on_report)
+        self.telemetry.add_listener(self._on_report)
         trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self._on_epoch_completed)
         trainer.add_event_handler(Events.COMPLETED, self._on_completed)

@@ -24,19 +24,19 @@ averaging starts rather than at the weights the handler was built with.
 """
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from copy import deepcopy
 from typing import Any
 
 import torch
-from ignite.engine import Events
+from ignite.engine import Engine, Events
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim.swa_utils import update_bn
 
 from engine import RngState, Trainer, TrainEvents
 from engine.batch import move_to_device
-from handlers.arguments import check_int
+from handlers.arguments import check_bool, check_choice, check_int, check_number
 
 MODES = ("ema", "swa")
 
@@ -71,17 +71,21 @@ class WeightAveraging:
       by default the first element of an ``(x, y)`` batch, moved to the model's device.
       The pass runs without autocast and leaves the random generators as they were.
 
-    Events: ``TrainEvents.OPTIMIZER_STEP`` (step clock), ``Events.EPOCH_COMPLETED``
-    (swa per epoch), ``Events.COMPLETED`` (swa BatchNorm recomputation). Attach it before
+    Events: the trainer's ``TrainEvents.OPTIMIZER_STEP`` (step clock),
+    ``Events.EPOCH_COMPLETED`` (swa per epoch) and ``Events.COMPLETED`` (swa BatchNorm
+    recomputation); with an evaluator, its ``Events.STARTED`` and ``Events.COMPLETED``,
+    between which the average is swapped into the model (so the evaluation ranks the
+    averaged weights): attach it before the evaluator's other ``COMPLETED`` handlers, so
+    that they, a checkpoint among them, see the trained weights again. Attach it before
     the handlers that evaluate or save on the same events, so they see this step's
     average (a checkpoint saved before the update would resume one update short).
 
     Example::
 
         ema = WeightAveraging(trainer.model, "ema", decay=0.999)
-        ema.attach(trainer)  # then checkpoints with {"ema": ema, ...} in to_save
+        ema.attach(trainer, evaluator)  # then checkpoints with {"ema": ema, ...} in to_save
         with ema.swapped_in():
-            evaluator.run(val_loader)  # the model now holds the averaged weights
+            predictions = model(x)  # the model now holds the averaged weights
 
         swa = WeightAveraging(model, "swa", start_epoch=8, bn_batches=train_loader)
     """
@@ -103,8 +107,7 @@ class WeightAveraging:
             raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
         if not any(True for _ in model.parameters()):
             raise ValueError("model has no parameters to average")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is not known; allowed: 'ema', 'swa'")
+        check_choice("mode", mode, MODES)
         ema = mode == "ema"
         _only_for("decay", decay, ema, "mode='ema'")
         _only_for("warmup", warmup, ema, "mode='ema'")
@@ -116,11 +119,9 @@ class WeightAveraging:
         _only_for("start_step", start_step, step_clock, "the step clock (every_steps)")
         _only_for("start_epoch", start_epoch, not step_clock, "mode='swa' without every_steps")
         decay = 0.999 if decay is None else decay
-        if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 <= decay < 1:
-            raise ValueError(f"decay must be a number in [0, 1), got {decay!r}")
+        check_number("decay", decay, 0, 1, "[)")
         warmup = True if warmup is None else warmup
-        if not isinstance(warmup, bool):
-            raise ValueError(f"warmup must be True or False, got {warmup!r}")
+        check_bool("warmup", warmup)
         if step_clock:
             check_int("every_steps", every_steps, 1)
         start_step = 0 if start_step is None else start_step
@@ -148,10 +149,12 @@ class WeightAveraging:
         self.bn_batches, self.bn_input = bn_batches, bn_input or self._first_element
         self.averaged_model = deepcopy(model).eval().requires_grad_(False)
         self.num_updates = 0
+        self._swap = ExitStack()  # holds swapped_in() during an evaluation
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
         """Register on ``OPTIMIZER_STEP`` (step clock) or ``EPOCH_COMPLETED`` (swa per epoch),
-        and on ``COMPLETED`` when BatchNorm statistics are to be recomputed."""
+        on ``COMPLETED`` when BatchNorm statistics are to be recomputed, and on the
+        evaluator's ``STARTED``/``COMPLETED`` to evaluate the average."""
         model_device = next(self.model.parameters()).device
         average_device = next(self.averaged_model.parameters()).device
         if model_device != average_device:
@@ -165,6 +168,15 @@ class WeightAveraging:
             trainer.add_event_handler(Events.EPOCH_COMPLETED, self._on_epoch)
         if self.bn_batches is not None:
             trainer.add_event_handler(Events.COMPLETED, lambda _: self.update_bn())
+        if evaluator is not None:
+            evaluator.add_event_handler(Events.STARTED, self._swap_in)
+            evaluator.add_event_handler(Events.COMPLETED, self._swap_out)  # after the metrics'
+
+    def _swap_in(self) -> None:
+        self._swap.enter_context(self.swapped_in())
+
+    def _swap_out(self) -> None:
+        self._swap.close()
 
     def _on_step(self, trainer: Trainer) -> None:
         step = trainer.state.optimizer_step

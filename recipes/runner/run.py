@@ -55,6 +55,8 @@ from recipes.runner.registry import load_recipe, recipe_ref
 from recipes.runner.run_config import RunConfig
 from recipes.runner.standard_handlers import (
     TRAIN_DATA,
+    Evaluation,
+    RunSite,
     StandardHandlers,
     attach_standard_handlers,
     attach_weight_averaging,
@@ -250,12 +252,12 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started
             config, parts.model, trainer, evaluator,
             bn_batches=(lambda: replay(1)) if replay else None,
             bn_input=lambda batch: parts.prepare_batch(batch, ctx.device, True)[0])
-    handlers = attach_standard_handlers(
-        trainer, evaluator, config, modes=recipe.metrics, best=recipe.best, plan=plan,
-        run_dir=started.run_dir, run_id=started.run_id, val_batches=parts.val_batches,
-        rank=ctx.rank, model=parts.model, checkpoint_meta={"data": started.fingerprint},
-        extra_state=extra, before_evaluation=parts.before_evaluation,
-        num_classes=parts.num_classes)
+    site = RunSite(started.run_dir, started.run_id, recipe.metrics, recipe.best, plan,
+                   rank=ctx.rank, model=parts.model,
+                   checkpoint_meta={"data": started.fingerprint}, num_classes=parts.num_classes)
+    evaluation = Evaluation(parts.val_batches, config.eval_every, config.epochs,
+                            before=parts.before_evaluation)
+    handlers = attach_standard_handlers(trainer, evaluator, config, site, evaluation, extra)
     return trainer, evaluator, parts, handlers
 
 

@@ -1,18 +1,15 @@
 """The handlers every run gets, attached in their one correct order.
 
-Order matters where two handlers share an event: the recipe's own handlers come first
-(``Parts.attach_extra``: a checkpoint then holds their work of the same step), then
-telemetry, history, early stopping and the LR schedule, the evaluation at the end of an
-epoch, TensorBoard (before the saves: a checkpoint taken at an evaluation holds its best
-values), the best and last checkpoints, progress and the graceful stop on signals.
-Ignite's ``setup_common_training_handlers`` is the precedent for wiring them in one call;
-ours adds the run's resume-safe state (``to_save``) and rank-0-only writes.
+``attach_standard_handlers`` builds them and attaches them as one ordered list, as Ignite's
+``setup_common_training_handlers`` wires its set in one call; ours adds the run's
+resume-safe state (``to_save``) and rank-0-only writes. Every handler is attached the same
+way, ``handler.attach(trainer, evaluator)``, so the list's order is the order in which
+handlers sharing an event run; the reason for each position is next to it.
 """
 
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -20,11 +17,13 @@ from typing import Any, TextIO
 from ignite.engine import Engine, Events
 from torch import nn
 
-from engine import RngState, Trainer, TrainEvents
+from engine import RngState, Trainer
 from handlers import (
     Checkpointer,
     EarlyStopping,
+    Goal,
     GradientTelemetry,
+    Handler,
     LRSchedulerHandler,
     Progress,
     TensorBoardLogger,
@@ -41,6 +40,49 @@ from recipes.runner.launch import RankZeroSave
 from recipes.runner.run_config import RunConfig
 
 
+@dataclass(frozen=True)
+class RunSite:
+    """What the standard handlers need to know about the run beyond its config."""
+
+    run_dir: Path
+    run_id: str
+    modes: Mapping[str, str]  # each validation metric's direction
+    best: str  # the metric that ranks the best checkpoint and early stopping
+    plan: RunPlan
+    rank: int = 0  # only rank 0 writes (TensorBoard, checkpoint files, progress)
+    # The module whose weights are saved (default: the trainer's; give the unwrapped one
+    # when the trainer runs a DDP or compiled wrapper).
+    model: nn.Module | None = None
+    checkpoint_meta: Mapping[str, Any] | None = None  # stored in every checkpoint
+    num_classes: int | None = None  # for the start-up checks
+    progress_stream: TextIO | None = None
+
+
+class Evaluation:
+    """Runs the evaluator on ``val_batches`` at the trainer's ``Events.EPOCH_COMPLETED``,
+    every ``every`` epochs and after the last of ``epochs``; ``before(final)`` runs first
+    (a recipe's hook, e.g. switching on test-time augmentation for the final one)."""
+
+    def __init__(self, val_batches: Iterable[Any], every: int, epochs: int,
+                 before: Callable[[bool], None] | None = None) -> None:
+        self.val_batches, self.every, self.epochs, self.before = (
+            val_batches, every, epochs, before)
+        self._evaluator: Engine | None = None
+
+    def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
+        if evaluator is None:
+            raise ValueError("Evaluation runs the evaluator: attach(trainer, evaluator)")
+        self._evaluator = evaluator
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, self.run_if_due)
+
+    def run_if_due(self, trainer: Engine) -> None:
+        final = trainer.state.epoch == self.epochs
+        if trainer.state.epoch % self.every == 0 or final:
+            if self.before is not None:
+                self.before(final)
+            self._evaluator.run(self.val_batches)
+
+
 @dataclass
 class StandardHandlers:
     """The attached handlers, for the run's resume, exit code and summary."""
@@ -52,7 +94,7 @@ class StandardHandlers:
     checkpointer: Checkpointer
     stop: GracefulStop
     make_scheduler: Callable[[], LRSchedulerHandler | None]
-    evaluate: Callable[[Engine], None]  # on the trainer's EPOCH_COMPLETED
+    evaluation: Evaluation
     spike_guard: SpikeGuard | None = None
     tensorboard: TensorBoardLogger | None = None  # rank 0's
 
@@ -77,11 +119,10 @@ def make_scheduler_factory(config: RunConfig, trainer: Trainer, plan: RunPlan
 def attach_weight_averaging(config: RunConfig, model: nn.Module, trainer: Trainer,
                             evaluator: Engine, bn_batches: Callable[[], Iterable[Any]] | None,
                             bn_input: Callable[[Any], Any]) -> WeightAveraging:
-    """``--averaging ema|swa``: the average is updated on its clock, swapped into the model
-    for every evaluation (so early stopping, the best checkpoint and TensorBoard rank the
-    averaged weights) and swapped out before the evaluator's other handlers run, so a
-    checkpoint's ``model`` stays the trained weights and ``averaging`` holds the average.
-    Attach it before the standard handlers."""
+    """``--averaging ema|swa``: the average is updated on its clock and swapped into the
+    model for every evaluation (so early stopping, the best checkpoint and TensorBoard rank
+    the averaged weights), a checkpoint's ``model`` staying the trained weights and
+    ``averaging`` holding the average. Attach it before the standard handlers."""
     if config.averaging == "ema":
         averaging = WeightAveraging(model, "ema", decay=config.ema_decay)
     else:
@@ -93,17 +134,7 @@ def attach_weight_averaging(config: RunConfig, model: nn.Module, trainer: Traine
         averaging = WeightAveraging(
             model, "swa", start_epoch=max(1, math.ceil(config.swa_start * config.epochs)),
             **({"bn_batches": bn_batches, "bn_input": bn_input} if has_bn else {}))
-    averaging.attach(trainer)
-    swap = ExitStack()
-
-    def swap_in_average() -> None:
-        swap.enter_context(averaging.swapped_in())
-
-    def swap_out_average() -> None:
-        swap.close()
-
-    evaluator.add_event_handler(Events.STARTED, swap_in_average)
-    evaluator.add_event_handler(Events.COMPLETED, swap_out_average)  # after the metrics'
+    averaging.attach(trainer, evaluator)
     return averaging
 
 
@@ -117,59 +148,20 @@ NOT_ROLLED_BACK = ("trainer", TRAIN_DATA, "spike_guard", "telemetry", "history",
                    "tensorboard", "early_stopping")
 
 
-def attach_standard_handlers(
-    trainer: Trainer,
-    evaluator: Engine,
-    config: RunConfig,
-    *,
-    modes: Mapping[str, str],
-    best: str,
-    plan: RunPlan,
-    run_dir: Path,
-    run_id: str,
-    val_batches: Iterable[Any],
-    rank: int = 0,
-    model: nn.Module | None = None,
-    checkpoint_meta: Mapping[str, Any] | None = None,
-    extra_state: Mapping[str, Any] | None = None,
-    before_evaluation: Callable[[bool], None] | None = None,
-    num_classes: int | None = None,
-    progress_stream: TextIO | None = None,
-) -> StandardHandlers:
-    """Attach telemetry, history, early stopping, the LR schedule, evaluation, TensorBoard,
-    checkpoints, progress and the graceful stop to ``trainer`` and ``evaluator``.
-
-    ``modes`` gives each validation metric's direction; ``best`` ranks the best checkpoint
-    and early stopping. Only rank 0 writes (TensorBoard, checkpoint files, progress), but
-    every rank takes part in each save. ``model`` is the module whose weights are saved
-    (default: ``trainer.model``; give the unwrapped one when the trainer runs a DDP or
-    compiled wrapper). ``checkpoint_meta`` is stored in every checkpoint.
-    """
-    if config.checks == "on":
-        StartupChecks(num_classes).attach(trainer)
-    make_scheduler = make_scheduler_factory(config, trainer, plan)
+def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunConfig,
+                             site: RunSite, evaluation: Evaluation,
+                             extra_state: Mapping[str, Any] | None = None) -> StandardHandlers:
+    """Build the standard handlers and attach them to ``trainer`` and ``evaluator`` in
+    order. The recipe's own handlers are attached before (``Parts.attach_extra``: a
+    checkpoint then holds their work of the same step) and their state is in
+    ``extra_state``. Only rank 0 writes, but every rank takes part in each save."""
+    goal = Goal(site.best, site.modes[site.best])  # early stopping and the best checkpoint
+    make_scheduler = make_scheduler_factory(config, trainer, site.plan)
     scheduler = make_scheduler()
     telemetry = GradientTelemetry(log_every=config.log_every, layer_every=config.log_every * 10)
-    telemetry.attach(trainer)
-    history = RunHistory(batch_size=config.batch_size, modes=modes)
-    history.attach(trainer, telemetry, evaluator)
-    early_stopping = None
-    if config.patience is not None:
-        early_stopping = EarlyStopping(best, config.patience, trainer=trainer, mode=modes[best])
-        evaluator.add_event_handler(Events.COMPLETED, early_stopping)
-    if scheduler is not None:
-        scheduler.attach(trainer, evaluator)
-
-    def evaluate(engine: Engine) -> None:
-        """Every ``eval_every`` epochs and after the last one."""
-        final = engine.state.epoch == config.epochs
-        if engine.state.epoch % config.eval_every == 0 or final:
-            if before_evaluation is not None:
-                before_evaluation(final)
-            evaluator.run(val_batches)
-
-    trainer.add_event_handler(Events.EPOCH_COMPLETED, evaluate)
-    to_save = {"model": model if model is not None else trainer.model,
+    history = RunHistory(batch_size=config.batch_size, modes=site.modes, telemetry=telemetry)
+    early_stopping = None if config.patience is None else EarlyStopping(goal, config.patience)
+    to_save = {"model": site.model if site.model is not None else trainer.model,
                "optimizer": trainer.optimizer, "scaler": trainer.scaler, "trainer": trainer,
                "telemetry": telemetry, "history": history, "rng": RngState(),
                **(extra_state or {})}
@@ -177,50 +169,45 @@ def attach_standard_handlers(
     to_save |= {"early_stopping": early_stopping} if early_stopping is not None else {}
     spike_guard = None
     if config.spike_guard:
-        spike_guard = SpikeGuard(**config.spike_guard_options(), quiet=rank != 0)
+        spike_guard = SpikeGuard(**config.spike_guard_options(), quiet=site.rank != 0)
+        spike_guard.rolls_back({name: obj for name, obj in to_save.items()
+                                if name not in NOT_ROLLED_BACK})
         to_save["spike_guard"] = spike_guard
-    if rank == 0:  # only rank 0 writes; every rank loads the same checkpoint
-        tensorboard = TensorBoardLogger(run_dir, hparams=dataclasses.asdict(config),
-                                        batch_size=config.batch_size, modes=modes)
+    tensorboard = progress = None
+    if site.rank == 0:  # only rank 0 writes; every rank loads the same checkpoint
+        tensorboard = TensorBoardLogger(site.run_dir, hparams=dataclasses.asdict(config),
+                                        batch_size=config.batch_size, modes=site.modes,
+                                        telemetry=telemetry)
         to_save["tensorboard"] = tensorboard
-    checkpointer = Checkpointer(run_dir / "checkpoints", to_save, run_id=run_id,
-                                config={**dataclasses.asdict(config), **(checkpoint_meta or {})},
-                                keep_last=config.keep_last, metric=best, mode=modes[best])
-    if spike_guard is not None:  # after the schedule and averaging, before the saves
-        spike_guard.attach(trainer, {name: obj for name, obj in to_save.items()
-                                     if name not in NOT_ROLLED_BACK})
-        if rank == 0:
+        progress = Progress(mode=config.progress, stream=site.progress_stream,
+                            telemetry=telemetry)
+        if spike_guard is not None:
             spike_guard.add_listener(lambda action: _log_spike_action(tensorboard, action))
-    if rank == 0:  # before the saves: a checkpoint taken at an evaluation holds its best
-        tensorboard.attach(trainer, telemetry, evaluator)
-    # Only rank 0 writes, but every rank takes part in each save (RankZeroSave): a failed
-    # save stops all of them.
-    save_last = RankZeroSave(checkpointer.save_last)
-    evaluator.add_event_handler(Events.COMPLETED, RankZeroSave(checkpointer.save_best))
-    # Not at an epoch's last iteration: that one is saved at EPOCH_COMPLETED, after
-    # validation, so that a resumed run never skips an epoch's evaluation.
-    trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP,
-                              _every_steps(config.checkpoint_every, save_last))
-    trainer.add_event_handler(Events.EPOCH_COMPLETED, save_last)
-    if rank == 0:
-        Progress(mode=config.progress, stream=progress_stream).attach(trainer, telemetry)
-    # Every rank stops at a signal (all of them receive Ctrl-C) and saves together.
-    stop = GracefulStop(save_last)
-    stop.attach(trainer)
+    # RankZeroSave: rank 0 writes, every rank takes part, so a failed save stops them all.
+    checkpointer = Checkpointer(
+        site.run_dir / "checkpoints", to_save, run_id=site.run_id,
+        config={**dataclasses.asdict(config), **(site.checkpoint_meta or {})},
+        keep_last=config.keep_last, best=goal, save_every=config.checkpoint_every,
+        wrap_save=RankZeroSave)
+    stop = GracefulStop(checkpointer.last_handler)  # every rank gets the signal, all save
+    in_order: list[Handler | None] = [
+        StartupChecks(site.num_classes) if config.checks == "on" else None,  # first at STARTED
+        telemetry,  # the step's numbers, before anything that reports them
+        history,
+        early_stopping,
+        scheduler,  # after the step's telemetry, which logs the LR the step used
+        evaluation,  # at EPOCH_COMPLETED, before the saves: a resume never skips it
+        spike_guard,  # after the schedule and averaging, before the saves
+        tensorboard,  # before the saves: a checkpoint taken at an evaluation holds its bests
+        checkpointer,
+        progress,
+        stop,  # last at EPOCH_COMPLETED: after the epoch's evaluation and save
+    ]
+    for handler in in_order:
+        if handler is not None:
+            handler.attach(trainer, evaluator)
     return StandardHandlers(telemetry, history, scheduler, early_stopping, checkpointer, stop,
-                            make_scheduler, evaluate, spike_guard,
-                            tensorboard if rank == 0 else None)
-
-
-def _every_steps(every: int, save: Callable[[Engine], None]) -> Callable[[Engine], None]:
-    """``save`` at every ``every``-th optimizer step except at an epoch's last iteration.
-    A plain test rather than an Ignite event filter, whose wrapper costs about three
-    times as much at every step."""
-    def save_on_cadence(engine: Engine) -> None:
-        state = engine.state
-        if state.optimizer_step % every == 0 and state.iteration % state.epoch_length != 0:
-            save(engine)
-    return save_on_cadence
+                            make_scheduler, evaluation, spike_guard, tensorboard)
 
 
 def _log_spike_action(tensorboard: TensorBoardLogger, action: SpikeAction) -> None:

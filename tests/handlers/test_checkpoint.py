@@ -20,6 +20,7 @@ import handlers.checkpoint_files as checkpoint_files_module
 from engine import Trainer, TrainEvents, create_trainer
 from engine.run_state import RngState
 from handlers.checkpoint import Checkpointer, CheckpointError, read_checkpoint
+from handlers.goal import Goal
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -148,7 +149,7 @@ def _evaluate(run: Run, step: int, score: float, metric: str = "acc") -> None:
 
 
 def test_best_keeps_the_top_k_and_best_pt_is_the_best(tmp_path, caplog):
-    run = _build(tmp_path, keep_best=2, metric="acc", mode="max")
+    run = _build(tmp_path, keep_best=2, best=Goal("acc", "max"))
     with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
         for step, score in enumerate([0.1, 0.5, 0.3, float("nan"), 0.7, 0.2, 0.5], start=1):
             _evaluate(run, step, score)
@@ -167,7 +168,7 @@ def test_best_keeps_the_top_k_and_best_pt_is_the_best(tmp_path, caplog):
 
 
 def test_mode_min_and_a_nan_first_score_is_never_best(tmp_path):
-    run = _build(tmp_path, metric="loss", mode="min")
+    run = _build(tmp_path, best=Goal("loss", "min"))
     _evaluate(run, 1, float("nan"), metric="loss")
     assert not list(tmp_path.iterdir())
     for step, score in [(2, 3.0), (3, 1.0), (4, 2.0)]:
@@ -177,13 +178,13 @@ def test_mode_min_and_a_nan_first_score_is_never_best(tmp_path):
 
 
 def test_retention_and_best_tracking_survive_a_resume(tmp_path):
-    run = _save_every_step(_build(tmp_path, keep_last=2, metric="acc"))
+    run = _save_every_step(_build(tmp_path, keep_last=2, best=Goal("acc", "max")))
     run.trainer.run(DATA[:3], max_epochs=1)
     evaluator = Engine(lambda engine, batch: None)
     evaluator.state.metrics = {"acc": 0.9}
     run.ckpt.save_best(evaluator)  # best at step 3, after last saved it: a new, newer file
 
-    resumed = _save_every_step(_build(tmp_path, seed=5, keep_last=2, metric="acc"))
+    resumed = _save_every_step(_build(tmp_path, seed=5, keep_last=2, best=Goal("acc", "max")))
     assert resumed.ckpt.resume("auto").path.name == "last.pt"
     assert resumed.ckpt.state_dict() == run.ckpt.state_dict()
     resumed.trainer.run(DATA[:3], max_epochs=2)
@@ -372,7 +373,7 @@ def test_state_that_would_not_load_weights_only_is_refused_at_save_time(tmp_path
 
 
 def test_non_finite_weights_are_never_saved(tmp_path, caplog):
-    run = _build(tmp_path, metric="acc")
+    run = _build(tmp_path, best=Goal("acc", "max"))
     _move_trainer_to(run, 1)
     run.ckpt.save_last(run.trainer)
     with torch.no_grad():
@@ -476,8 +477,8 @@ def test_an_unknown_crash_phase_is_refused(tmp_path, monkeypatch):
     [
         ({"keep_last": 0}, "keep_last"),
         ({"keep_best": 1.5}, "keep_best"),
-        ({"mode": "up"}, "mode='up'"),
-        ({"metric": ""}, "metric"),
+        ({"best": "acc"}, "best must be a Goal"),
+        ({"save_every": 0}, "save_every"),
         ({"run_id": ""}, "run_id"),
         ({"file_mode": 0o400}, "file_mode"),
         ({"config": {"root": Path("x")}}, r"config\['root'\] is a PosixPath"),
@@ -533,3 +534,48 @@ def test_last_pt_without_any_sidecar_is_an_error_not_a_fresh_start(tmp_path):
         sidecar.unlink()
     with pytest.raises(CheckpointError, match=r"no usable checkpoint \(last.pt: no checksum"):
         _build(tmp_path).ckpt.resume("auto")
+
+
+# attach
+
+
+def test_attach_saves_on_the_cadence_at_each_epoch_end_and_at_each_evaluation(tmp_path):
+    calls = []
+
+    def recorded(save):
+        def record_then_save(engine):
+            calls.append((save.__name__, run.trainer.state.optimizer_step))
+            save(engine)
+        return record_then_save
+
+    run = _build(tmp_path, best=Goal("acc", "max"), save_every=3, wrap_save=recorded)
+    scores = iter([0.5, 0.4])
+    evaluator = Engine(lambda engine, batch: None)
+    evaluator.add_event_handler(Events.COMPLETED,
+                                lambda engine: engine.state.metrics.update(acc=next(scores)))
+    run.trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run([0]))
+    run.ckpt.attach(run.trainer, evaluator)
+    run.trainer.run(DATA, max_epochs=2)  # 4 steps an epoch
+    # Step 3 and 6 on the cadence; 4 and 8 end an epoch, saved after its evaluation.
+    assert calls == [("save_last", 3), ("save_best", 4), ("save_last", 4), ("save_last", 6),
+                     ("save_best", 8), ("save_last", 8)]
+    # Step 4's best checkpoint is also its last: that save_last is skipped.
+    assert {name for name in _names(tmp_path) if name.endswith(".pt")} == {
+        "step-00000003.pt", "step-00000006.pt", "step-00000008.pt", "last.pt",
+        "best-step-00000004.pt", "best.pt"}
+
+
+def test_attach_without_an_evaluator_or_a_goal_saves_no_best(tmp_path):
+    for options in ({"best": Goal("acc", "max")}, {}):
+        run = _build(tmp_path / str(len(options)), **options)
+        evaluator = Engine(lambda engine, batch: None)
+        run.ckpt.attach(run.trainer, None if options else evaluator)
+        assert not evaluator.has_event_handler(run.ckpt.best_handler, Events.COMPLETED)
+        run.trainer.run(DATA, max_epochs=1)
+        assert "best.pt" not in _names(run.ckpt.dirname) and "last.pt" in _names(run.ckpt.dirname)
+
+
+def test_attach_to_another_trainer_is_refused(tmp_path):
+    run, other = _build(tmp_path / "a"), _build(tmp_path / "b")
+    with pytest.raises(ValueError, match="trainer in its to_save"):
+        run.ckpt.attach(other.trainer)

@@ -11,6 +11,7 @@ from handlers.grad_telemetry import GradientTelemetry
 from handlers.history import RunHistory
 
 NAN = math.nan
+TELEMETRY = GradientTelemetry(log_every=1)  # for a history that is never attached
 BATCH_SIZE = 16
 STEPS_PER_EPOCH = 4
 LR = 0.5
@@ -54,12 +55,15 @@ def scripted_evaluator(trainer: Trainer) -> Engine:
     return evaluator
 
 
-def build(history: RunHistory | None = None) -> tuple[Trainer, RunHistory]:
+def build(state: dict | None = None) -> tuple[Trainer, RunHistory]:
+    """A scripted run with a history, resumed from ``state`` when given."""
     trainer = scripted_trainer()
     telemetry = GradientTelemetry(log_every=2)
     telemetry.attach(trainer)
-    history = history or RunHistory(batch_size=BATCH_SIZE)
-    history.attach(trainer, telemetry, scripted_evaluator(trainer))
+    history = RunHistory(batch_size=BATCH_SIZE, telemetry=telemetry)
+    if state is not None:
+        history.load_state_dict(state)
+    history.attach(trainer, scripted_evaluator(trainer))
     return trainer, history
 
 
@@ -103,8 +107,8 @@ def test_a_run_without_evaluations_has_no_metrics():
     trainer = scripted_trainer()
     telemetry = GradientTelemetry(log_every=2)
     telemetry.attach(trainer)
-    history = RunHistory(batch_size=BATCH_SIZE)
-    history.attach(trainer, telemetry, Engine(lambda engine, batch: None))
+    history = RunHistory(batch_size=BATCH_SIZE, telemetry=telemetry)
+    history.attach(trainer, Engine(lambda engine, batch: None))
     trainer.run(range(STEPS_PER_EPOCH), max_epochs=1)
     summary = history.summary(trainer)
     assert summary["best_val_accuracy"] is None and summary["final_val_accuracy"] is None
@@ -119,7 +123,7 @@ def test_state_dict_roundtrip_through_torch_load_weights_only():
     torch.save(history.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    restored = RunHistory(batch_size=BATCH_SIZE)
+    restored = RunHistory(batch_size=BATCH_SIZE, telemetry=TELEMETRY)
     restored.load_state_dict(state)
     assert restored.train == history.train and restored.val == history.val
     assert restored.epochs_completed == 2 and restored.stopped_early is True
@@ -135,9 +139,7 @@ def test_a_resumed_run_has_the_same_summary_as_an_uninterrupted_one():
 
     first_trainer, first = run(epochs=2)
     trainer_state, history_state = first_trainer.state_dict(), first.state_dict()
-    resumed = RunHistory(batch_size=BATCH_SIZE)
-    resumed.load_state_dict(history_state)
-    trainer, resumed = build(resumed)
+    trainer, resumed = build(history_state)
     trainer.load_state_dict(trainer_state)
     trainer.run(range(STEPS_PER_EPOCH), max_epochs=4)
 
@@ -165,9 +167,7 @@ def test_a_checkpoint_taken_mid_epoch_carries_the_samples_trained_so_far():
 
     trainer.run(range(STEPS_PER_EPOCH), max_epochs=3)
     assert saved["history"]["train_samples"] == (STEPS_PER_EPOCH + 2) * BATCH_SIZE
-    resumed = RunHistory(batch_size=BATCH_SIZE)
-    resumed.load_state_dict(saved["history"])
-    trainer, resumed = build(resumed)
+    trainer, resumed = build(saved["history"])
     trainer.load_state_dict(saved["trainer"])
     trainer.run(range(STEPS_PER_EPOCH), max_epochs=3)
     assert resumed.train_samples == full.train_samples == 3 * STEPS_PER_EPOCH * BATCH_SIZE
@@ -177,4 +177,4 @@ def test_a_checkpoint_taken_mid_epoch_carries_the_samples_trained_so_far():
 @pytest.mark.parametrize("batch_size", [0, -1, 1.5, True, "64"])
 def test_batch_size_must_be_a_positive_int(batch_size):
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
-        RunHistory(batch_size=batch_size)
+        RunHistory(batch_size=batch_size, telemetry=TELEMETRY)

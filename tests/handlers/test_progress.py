@@ -14,9 +14,12 @@ PLAIN_LINE = re.compile(
     r"eta (\d+h\d\dm|\d+m\d\ds|\d+s)"
 )
 
+TELEMETRY = GradientTelemetry(log_every=1)  # for a Progress that is never attached
 
-def train(progress):
-    """Two epochs of 6 batches, telemetry every 3 steps; returns the telemetry reports."""
+
+def train(**options):
+    """Two epochs of 6 batches shown by ``Progress(**options)``, telemetry every 3 steps;
+    returns the telemetry reports."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -25,13 +28,13 @@ def train(progress):
     telemetry.attach(trainer)
     reports = []
     telemetry.add_listener(reports.append)
-    progress.attach(trainer, telemetry)
+    Progress(**options, telemetry=telemetry).attach(trainer)
     trainer.run([(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(6)], max_epochs=2)
     return reports
 
 
 def test_plain_lines_carry_epoch_step_iteration_loss_lr_grad_norm_and_eta(capsys):
-    reports = train(Progress(mode="plain"))
+    reports = train(mode="plain")
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch")]
 
     matches = [PLAIN_LINE.fullmatch(line) for line in lines]
@@ -45,18 +48,18 @@ def test_plain_lines_carry_epoch_step_iteration_loss_lr_grad_norm_and_eta(capsys
 
 
 def test_auto_picks_plain_when_the_stream_is_not_a_terminal(capsys):
-    assert Progress().mode == "plain"  # pytest captures stderr
+    assert Progress(telemetry=TELEMETRY).mode == "plain"  # pytest captures stderr
 
     class Terminal(io.StringIO):
         def isatty(self):
             return True
 
-    assert Progress(stream=Terminal()).mode == "bar"
+    assert Progress(stream=Terminal(), telemetry=TELEMETRY).mode == "bar"
 
 
 def test_bar_mode_draws_one_bar_for_the_run_and_prints_no_lines(capsys):
     stream = io.StringIO()
-    train(Progress(mode="bar", stream=stream))
+    train(mode="bar", stream=stream)
 
     drawn = stream.getvalue()
     assert "epoch 2/2" in drawn
@@ -66,7 +69,7 @@ def test_bar_mode_draws_one_bar_for_the_run_and_prints_no_lines(capsys):
 
 
 def test_off_mode_shows_nothing(capsys):
-    train(Progress(mode="off"))
+    train(mode="off")
     assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch")] == []
 
 
@@ -75,5 +78,5 @@ def test_duration_format():
 
 
 def test_rejects_an_unknown_mode():
-    with pytest.raises(ValueError, match="mode='fancy'.*auto, bar, plain, off"):
-        Progress(mode="fancy")
+    with pytest.raises(ValueError, match="mode='fancy'.*'auto', 'bar', 'plain', 'off'"):
+        Progress(mode="fancy", telemetry=TELEMETRY)

@@ -62,7 +62,8 @@ def make_run(spikes=(), accum_steps=1, guarded=True, **ladder):
     guard = SpikeGuard(**{**LADDER, **ladder})
     state = {"model": model, "optimizer": optimizer, "rng": RngState()}
     if guarded:
-        guard.attach(trainer, state)
+        guard.rolls_back(state)
+        guard.attach(trainer)
     return trainer, guard, PositionedBatches(trainer, batches), state
 
 
@@ -93,12 +94,13 @@ def test_bad_arguments_are_refused(bad):
         SpikeGuard(**bad)
 
 
-def test_attach_refuses_the_trainer_and_objects_without_state():
-    trainer, guard, _, _ = make_run()
-    with pytest.raises(ValueError, match="not rolled back"):
-        guard.attach(trainer, {"trainer": trainer})
+def test_the_rolled_back_state_excludes_the_trainer_and_objects_without_state():
+    trainer, guard, _, _ = make_run(guarded=False)
     with pytest.raises(ValueError, match="no state_dict"):
-        guard.attach(trainer, {"thing": object()})
+        guard.rolls_back({"thing": object()})
+    guard.rolls_back({"trainer": trainer})
+    with pytest.raises(ValueError, match="trainer is not rolled back"):
+        guard.attach(trainer)
 
 
 def test_a_spike_is_skipped_like_a_non_finite_step(gate):

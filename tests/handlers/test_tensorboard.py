@@ -14,6 +14,7 @@ from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
 from handlers.tensorboard import REPORTS_PER_WRITE, TensorBoardLogger, flatten
 
 BATCH, BATCHES = 5, 8
+TELEMETRY = GradientTelemetry(log_every=1)  # for a logger that is never attached
 HPARAMS = {"optimizer": {"name": "sgd", "lr": 0.1}, "epochs": 2, "amp": False, "milestones": (3, 6)}
 
 
@@ -36,10 +37,10 @@ def train(log_dir, precision="fp32", logger_state=None, bias_lr=None):
     reports = []
     telemetry.add_listener(reports.append)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(data[:2]))
-    logger = TensorBoardLogger(log_dir, hparams=HPARAMS)
+    logger = TensorBoardLogger(log_dir, hparams=HPARAMS, telemetry=telemetry)
     if logger_state is not None:
         logger.load_state_dict(torch.load(logger_state, weights_only=True))
-    logger.attach(trainer, telemetry, evaluator)
+    logger.attach(trainer, evaluator)
     trainer.run(data, max_epochs=2)
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0})
     events.Reload()
@@ -146,11 +147,11 @@ def test_flatten_keeps_plain_values_and_stringifies_the_rest():
 @pytest.mark.parametrize("batch_size", [0, 2.5, True])
 def test_rejects_a_bad_batch_size(tmp_path, batch_size):
     with pytest.raises(ValueError, match="batch_size"):
-        TensorBoardLogger(tmp_path, batch_size=batch_size)
+        TensorBoardLogger(tmp_path, batch_size=batch_size, telemetry=TELEMETRY)
 
 
 def test_a_checkpoint_of_the_logger_puts_its_curves_on_disk_first(tmp_path):
-    logger = TensorBoardLogger(tmp_path)
+    logger = TensorBoardLogger(tmp_path, telemetry=TELEMETRY)
     for step in (10, 20):
         logger._on_report(TelemetryReport(step=step, stats={"loss_mean": step / 10}))
     logger.state_dict()  # what each checkpoint save calls
@@ -168,7 +169,7 @@ def read_records(log_dir):
 
 
 def test_reports_reach_the_file_at_each_checkpoint_each_in_one_event(tmp_path):
-    logger = TensorBoardLogger(tmp_path)
+    logger = TensorBoardLogger(tmp_path, telemetry=TELEMETRY)
     for step in (10, 20):
         logger._on_report(TelemetryReport(step=step, stats={"loss_mean": step / 10, "lr": 0.1}))
     assert [event.step for event in read_records(tmp_path)] == [0]  # still in the buffer
@@ -184,7 +185,7 @@ def test_reports_reach_the_file_at_each_checkpoint_each_in_one_event(tmp_path):
 def test_reports_are_encoded_in_batches_stamped_with_the_time_each_came(tmp_path, monkeypatch):
     clock = iter(range(1000, 2000))
     monkeypatch.setattr(tensorboard_module.time, "time", lambda: float(next(clock)))
-    logger = TensorBoardLogger(tmp_path)
+    logger = TensorBoardLogger(tmp_path, telemetry=TELEMETRY)
     for step in range(1, REPORTS_PER_WRITE):
         logger._on_report(TelemetryReport(step=step, stats={"loss_mean": 1.0}))
     logger.writer.flush()
@@ -199,7 +200,7 @@ def test_reports_are_encoded_in_batches_stamped_with_the_time_each_came(tmp_path
 
 
 def test_held_reports_are_written_before_any_later_event(tmp_path):
-    logger = TensorBoardLogger(tmp_path)
+    logger = TensorBoardLogger(tmp_path, telemetry=TELEMETRY)
     logger._on_report(TelemetryReport(step=10, stats={"loss_mean": 1.0}))
     logger.log_now({"health/rollbacks": 1.0}, step=10)
     logger._on_report(TelemetryReport(step=20, stats={"loss_mean": 2.0}))

@@ -3,7 +3,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from ignite.engine import Events
+from ignite.engine import Engine, Events
 from torch import nn
 
 from engine import RngState, TrainEvents, create_trainer
@@ -246,3 +246,18 @@ def test_bad_arguments_are_named(options, message):
     arguments = {"model": make_model()} | options
     with pytest.raises(ValueError, match=message):
         WeightAveraging(**arguments)
+
+
+def test_attached_to_an_evaluator_it_evaluates_the_average_then_trains_on(make_batches):
+    model = make_model()
+    trainer = make_trainer(model)
+    ema = WeightAveraging(model, "ema", decay=0.5)
+    evaluator = Engine(lambda engine, batch: floats(model))  # what an evaluation sees
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run([0]))
+    ema.attach(trainer, evaluator)
+    trained = record(trainer, Events.COMPLETED, model)
+    trainer.run(make_batches(6), max_epochs=1)
+    assert_state_close(ema.averaged_model, evaluator.state.output)
+    assert any(not torch.equal(trained[0][name], value)
+               for name, value in evaluator.state.output.items())
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in trained[0].items())

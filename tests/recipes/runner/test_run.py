@@ -152,7 +152,7 @@ def test_describe_prints_each_event_with_its_handlers_in_order_and_writes_nothin
     epoch_end = [line.strip() for line in epoch_end[:next(
         (i for i, line in enumerate(epoch_end) if not line.startswith("    ")), None)]]
     # The evaluation runs before the epoch's 'last' save, so a resume never skips it.
-    evaluate = epoch_end.index("attach_standard_handlers.evaluate")
+    evaluate = epoch_end.index("Evaluation.run_if_due")
     assert evaluate < epoch_end.index("RankZeroSave(Checkpointer.save_last)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
 
