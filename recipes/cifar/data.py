@@ -19,7 +19,6 @@ import hashlib
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -27,10 +26,11 @@ import torch
 import torchvision
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
+from handlers.atomic_write import write_atomically
+from recipes.common.image_files import class_names, list_class_folder, read_image
 from recipes.runner.errors import DataError
 
 IMAGE_SHAPE = (3, 32, 32)
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 PYTHON_BATCHES_FOLDER = "cifar-10-batches-py"  # torchvision's layout under data_dir
 DECODE_CHUNK = 1024  # JPEGs decoded per batched decode_jpeg call (batched is ~3x faster)
 CACHE_ENV = "IGNITE_ENGINE_CACHE"  # overrides the cache folder, e.g. for tests
@@ -52,7 +52,8 @@ class CifarArrays:
 
 def load_cifar10(data_dir: Path, download: bool = True) -> CifarArrays:
     """Load CIFAR-10 from ``data_dir``, which holds either image folders
-    ``train/<class>/*.{jpg,png}`` and ``test/<class>/*`` or torchvision's
+    ``train/<class>/<image>`` and ``test/<class>/<image>`` (any of
+    ``recipes.common.image_files.IMAGE_SUFFIXES``; other files are ignored) or torchvision's
     ``cifar-10-batches-py/``. With neither, and ``download``, fetch the python
     batches into ``data_dir``. Raises ``DataError`` naming what is missing or broken.
 
@@ -141,7 +142,7 @@ def decoded_cache_path(data_dir: Path) -> Path:
     return Path(root).expanduser() / "cifar10" / f"{source}.pt"
 
 
-def _listing_digest(paths: list[Path]) -> str:
+def _listing_digest(paths: list[str]) -> str:
     """sha256 of every file's ``<split>/<class>/<name>``, size and mtime, in load order:
     any file touched, added, removed or renamed changes it (stat is ~100x cheaper than a
     decode; an edit that keeps both size and mtime is the one change it cannot see)."""
@@ -151,7 +152,7 @@ def _listing_digest(paths: list[Path]) -> str:
             stat = os.stat(path)
         except OSError as error:
             raise DataError(f"cannot read image {path}: {error}") from error
-        relative = "/".join(path.parts[-3:])  # Path.relative_to is ~4x slower
+        relative = "/".join(path.rsplit(os.sep, 3)[-3:])  # Path.relative_to is ~4x slower
         digest.update(f"{relative}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 
@@ -190,44 +191,25 @@ def _read_cache(cache_path: Path, listing: str) -> CifarArrays | None:
 
 
 def _write_cache(cache_path: Path, listing: str, arrays: CifarArrays) -> None:
-    """Save atomically (temp file, fsync, rename), so a reader never sees half a cache;
-    on failure (read-only, disk full) only warn: the cache only saves time."""
+    """Save atomically (``write_atomically``), so a reader never sees half a cache; on
+    failure (read-only, disk full) only warn: the cache only saves time."""
     payload = {"listing": listing, "checksum": _arrays_checksum(arrays)}
     payload.update({field.name: getattr(arrays, field.name) for field in fields(CifarArrays)})
-    temp = None
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temp = tempfile.mkstemp(dir=cache_path.parent, prefix=f".{cache_path.name}.",
-                                        suffix=".tmp")
-        with os.fdopen(handle, "wb") as file:
-            torch.save(payload, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, cache_path)
+        write_atomically(cache_path, lambda file: torch.save(payload, file))
     except (OSError, RuntimeError) as error:  # torch.save reports write errors as RuntimeError
         logger.warning("could not write the decoded-image cache %s (%s): the next start "
                        "decodes the images again", cache_path, error)
-    finally:
-        if temp is not None and os.path.exists(temp):
-            os.unlink(temp)
 
 
-def _list_split(split_dir: Path) -> tuple[list[tuple[Path, int]], list[str]]:
-    """(file, label) pairs in round-robin class order, and the sorted class names."""
-    classes = sorted(
-        d.name for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith(".")
-    )
+def _list_split(split_dir: Path) -> tuple[list[tuple[str, int]], list[str]]:
+    """(file, label) pairs in round-robin class order, and the sorted class names; files
+    that are not images are ignored."""
+    classes = class_names(split_dir)
     if not classes:
         raise DataError(f"no class folders in {split_dir}: expected {split_dir}/<class>/*.jpg")
-    per_class = []
-    for name in classes:
-        folder = split_dir / name
-        # Names as strings: sorting and filtering 50k Path objects takes ~0.4 s.
-        files = [folder / file for file in sorted(os.listdir(folder))
-                 if file.lower().endswith(IMAGE_SUFFIXES) and not file.startswith(".")]
-        if not files:
-            raise DataError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {split_dir / name}")
-        per_class.append(files)
+    per_class = [list_class_folder(os.path.join(split_dir, name))[0] for name in classes]
     ordered = [
         (files[k], label)
         for k in range(max(len(files) for files in per_class))
@@ -237,7 +219,7 @@ def _list_split(split_dir: Path) -> tuple[list[tuple[Path, int]], list[str]]:
     return ordered, classes
 
 
-def _decode_files(paths: list[Path]) -> torch.Tensor:
+def _decode_files(paths: list[str]) -> torch.Tensor:
     """Decode image files into one uint8 [N,3,32,32] tensor, JPEGs in batches."""
     images = torch.empty((len(paths), *IMAGE_SHAPE), dtype=torch.uint8)
     for start in range(0, len(paths), DECODE_CHUNK):
@@ -259,9 +241,10 @@ def _decode_files(paths: list[Path]) -> torch.Tensor:
     return images
 
 
-def _read_bytes(path: Path) -> torch.Tensor:
+def _read_bytes(path: str) -> torch.Tensor:
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as file:
+            data = file.read()
     except OSError as error:
         raise DataError(f"cannot read image {path}: {error}") from error
     if not data:
@@ -269,11 +252,11 @@ def _read_bytes(path: Path) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _decode_one(path: Path, data: torch.Tensor) -> torch.Tensor:
+def _decode_one(path: str, data: torch.Tensor) -> torch.Tensor:
     try:
         return decode_image(data, mode=ImageReadMode.RGB)
-    except RuntimeError as error:
-        raise DataError(f"cannot decode image {path}: {error}") from error
+    except RuntimeError:  # torchvision decodes no BMP or TIFF: Pillow reads every listed kind
+        return read_image(path)
 
 
 def make_synthetic(n_train: int, n_test: int, seed: int, num_classes: int = 10) -> CifarArrays:

@@ -16,6 +16,8 @@ import torch
 import torchvision
 from torch import nn
 
+from engine.batch import Predict, supervised_predict
+
 # Conv group widths (output channels) of the default network, after the 24-filter
 # whitening layer. Spatial size: 32 -> 31 (2x2 whitening conv) -> 15 -> 7 -> 3.
 AIRBENCH_WIDTHS = (64, 256, 256)
@@ -141,12 +143,6 @@ def build_model(name: str, num_classes: int = 10) -> nn.Module:
     return MODELS[name](num_classes)
 
 
-def plain_predict(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Evaluator ``predict`` hook without test-time augmentation, logits in fp32."""
-    x, y = batch
-    return model(x).float(), y
-
-
 def _mirror_mean(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     logits = model(torch.cat([x, x.flip(-1)]))
     return logits.float().view(2, x.shape[0], -1).mean(0)
@@ -180,9 +176,8 @@ def _format_of(x: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if channels_last else torch.contiguous_format
 
 
-Predict = Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
 TTA_PREDICTS: dict[str, Predict] = {
-    "none": plain_predict,
+    "none": supervised_predict,  # no augmentation: the engine's own hook
     "mirror": flip_tta_predict,
     "mirror_translate": mirror_translate_tta_predict,
 }

@@ -19,12 +19,12 @@ from recipes.cifar.batches import FLIPS, EvalBatches, TrainBatches
 from recipes.cifar.data import CifarArrays, holdout_validation, load_cifar10, make_synthetic, subset
 from recipes.cifar.model import MODELS, TTA_PREDICTS, TTAPredict, build_model
 from recipes.common.optimizers import OptimizerChoice, build_optimizer
+from recipes.common.paths import default_data_dir
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
 from recipes.runner.config import ConfigError, field
 from recipes.runner.fingerprint import fingerprint_arrays
 from recipes.runner.run_config import RunConfig
 
-SHARED_CIFAR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 SYNTHETIC_SIZES = (10_000, 2_000)  # train, test samples when no subset is given
 # Lookahead as airbench94 tuned it, in samples rather than steps so that it means the same
 # at any batch size: an update every 5120 samples keeping 0.95**5 (times the ramp), from
@@ -78,12 +78,11 @@ def load_data(config: Config) -> CifarArrays:
         sizes = config.train_subset or SYNTHETIC_SIZES[0], config.val_subset or SYNTHETIC_SIZES[1]
         arrays = make_synthetic(*sizes, seed=config.seed)
     else:
-        data_dir = Path(config.data_dir)
-        if config.data_dir == "auto":
-            data_dir = SHARED_CIFAR if SHARED_CIFAR.is_dir() else Path("data/cifar10")
+        auto = config.data_dir == "auto"
+        data_dir = default_data_dir("cifar10") if auto else Path(config.data_dir)
         # Only the auto fallback downloads: a --data-dir that holds nothing is most likely
         # a typo, and a failed download would leave its (empty) folder behind.
-        arrays = load_cifar10(data_dir, download=config.data_dir == "auto")
+        arrays = load_cifar10(data_dir, download=auto)
     if config.val_fraction:
         try:
             arrays = holdout_validation(arrays, config.val_fraction)

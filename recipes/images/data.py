@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from ignite.engine import Engine
 from PIL import Image
@@ -30,10 +29,9 @@ from torchvision.transforms import v2
 from engine.batch import move_to_device
 from handlers.arguments import check_int
 from recipes.common.data_order import check_rank, epoch_order, mix_seed
+from recipes.common.image_files import IMAGE_SUFFIXES, class_names, list_class_folder, read_image
 from recipes.runner.errors import DataError
 
-# Read with Pillow; any other file in a class folder (a README, a .csv) is skipped.
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 VAL_SPLITS = ("val", "test")  # the first of these that exists is the validation split
 SMALL_IMAGE_MAX = 64  # up to this side: pad-and-crop augmentation and a CIFAR-style stem
 EVAL_CROP_FRACTION = 0.875  # large images: resize to side / 0.875, then centre-crop the side
@@ -71,7 +69,7 @@ def list_image_folders(root: Path, val_fraction: float | None = None) -> ImageFo
               f"(or test/), or only train/ with --val-fraction")
     if not (root / "train").is_dir():
         raise DataError(f"no train/ folder in {root}: {layout}")
-    classes = _class_names(root / "train")
+    classes = class_names(root / "train")
     if not classes:
         raise DataError(f"no class folders in {root / 'train'}: {layout}")
     skipped: list[str] = []
@@ -83,16 +81,11 @@ def list_image_folders(root: Path, val_fraction: float | None = None) -> ImageFo
     split = next((name for name in VAL_SPLITS if (root / name).is_dir()), None)
     if split is None:
         raise DataError(f"no val/ or test/ folder in {root}: {layout}")
-    val_classes = _class_names(root / split)
+    val_classes = class_names(root / split)
     if unknown := sorted(set(val_classes) - set(classes)):
         raise DataError(f"class folders in {root / split} that train/ lacks: {unknown}")
     val = _list_split(root / split, val_classes, classes, skipped)
     return ImageFolders(root, classes, train, val, split, skipped)
-
-
-def _class_names(split_dir: Path) -> list[str]:
-    return sorted(entry.name for entry in os.scandir(split_dir)
-                  if entry.is_dir() and not entry.name.startswith("."))
 
 
 def _list_split(split_dir: Path, names: list[str], classes: list[str],
@@ -101,17 +94,8 @@ def _list_split(split_dir: Path, names: list[str], classes: list[str],
     and file name; non-image entries go to ``skipped``, hidden ones are ignored."""
     samples = []
     for name in names:
-        folder = os.path.join(split_dir, name)
-        # Strings and scandir, not Path objects: listing 50k files stays well under a second.
-        entries = sorted((entry for entry in os.scandir(folder) if not entry.name.startswith(".")),
-                         key=lambda entry: entry.name)
-        is_image = [entry.name.lower().endswith(IMAGE_SUFFIXES) and entry.is_file()
-                    for entry in entries]
-        if not any(is_image):
-            raise DataError(f"no images ({' '.join(IMAGE_SUFFIXES)}) in the class folder {folder}")
-        images = [entry.path for entry, image in zip(entries, is_image, strict=True) if image]
-        skipped += [entry.path for entry, image in zip(entries, is_image, strict=True)
-                    if not image]
+        images, others = list_class_folder(os.path.join(split_dir, name))
+        skipped += others
         label = classes.index(name)
         samples += [(path, label) for path in images]
     return samples
@@ -146,16 +130,6 @@ def report_skipped(skipped: list[str], root: Path) -> None:
         more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
         files = "file that is not an image" if len(skipped) == 1 else "files that are not images"
         print(f"skipped {len(skipped)} {files} ({' '.join(IMAGE_SUFFIXES)}): {names}{more}")
-
-
-def read_image(path: str) -> torch.Tensor:
-    """The file decoded to uint8 RGB [3,H,W]; ``DataError`` naming the file if it cannot be."""
-    try:
-        with Image.open(path) as image:
-            array = np.asarray(image.convert("RGB"))
-    except (OSError, ValueError, Image.DecompressionBombError) as error:
-        raise DataError(f"cannot read image {path}: {error}") from None
-    return torch.from_numpy(array.copy()).permute(2, 0, 1)
 
 
 def shorter_side(path: str) -> int:

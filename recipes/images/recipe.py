@@ -20,6 +20,7 @@ from ignite.metrics import Accuracy, Loss
 from torch import nn
 
 from recipes.common.optimizers import OptimizerChoice, build_optimizer
+from recipes.common.paths import data_dir_candidates, default_data_dir
 from recipes.images.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -43,7 +44,6 @@ from recipes.runner.errors import DataError
 from recipes.runner.fingerprint import fingerprint_files
 from recipes.runner.run_config import RunConfig
 
-SHARED_CIFAR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 CLASSIFIERS = tuple(torchvision.models.list_models(module=torchvision.models))
 MAX_AUTO_SIZE = 224  # --image-size by default: the first image's shorter side, at most this
 LAYOUT = ("train/<class>/<image> and val/<class>/<image> (or test/), or only train/ with "
@@ -60,8 +60,8 @@ def _check_model(name: str) -> str | None:
 class Config(OptimizerChoice, RunConfig):
     lr: float = field(0.1, "peak learning rate (SGD; 0.1 per 256 samples is the usual start)",
                       min=0, min_exclusive=True)
-    data_dir: str = field("auto", f"image-folder tree: {LAYOUT}; auto: the shared CIFAR-10 "
-                          "folders ../shared/data/cifar10")
+    data_dir: str = field("auto", f"image-folder tree: {LAYOUT}; auto: the CIFAR-10 folders "
+                          "../shared/data/cifar10, else data/cifar10")
     val_fraction: float | None = field(None, "hold out this fraction of each training class "
                                        "(the same files every time) instead of val/ or test/",
                                        min=0, max=0.5, min_exclusive=True, fixed_on_resume=True)
@@ -98,13 +98,12 @@ class ImageData:
 def load_data(config: Config) -> ImageData:
     """List and check the tree (``DataError`` before anything is written), pick the image
     size and measure the normalisation statistics."""
-    if config.data_dir != "auto":
-        root = Path(config.data_dir)
-    elif SHARED_CIFAR.is_dir():
-        root = SHARED_CIFAR
-    else:
-        raise DataError(f"--data-dir auto: no shared CIFAR-10 folders at {SHARED_CIFAR}; "
-                        f"give --data-dir, a folder with {LAYOUT}")
+    auto = config.data_dir == "auto"
+    root = default_data_dir("cifar10") if auto else Path(config.data_dir)
+    if auto and not root.is_dir():
+        places = " or ".join(str(place) for place in data_dir_candidates("cifar10"))
+        raise DataError(f"--data-dir auto: no CIFAR-10 folders at {places}; give --data-dir, "
+                        f"a folder with {LAYOUT}")
     if not root.is_dir():
         raise DataError(f"--data-dir {root} is not a folder: expected one with {LAYOUT}")
     folders = list_image_folders(root, config.val_fraction)

@@ -31,7 +31,7 @@ from ignite.metrics import Metric
 from torch import nn
 
 from engine import Trainer
-from engine.batch import Forward, PrepareBatch, move_to_device, supervised_predict
+from engine.batch import Forward, Predict, PrepareBatch, move_to_device, supervised_predict
 from handlers.goal import check_mode
 
 
@@ -86,7 +86,7 @@ class Parts:
     loss_fn: Callable[..., torch.Tensor] | None = None
     forward: Forward | None = None
     train_model: nn.Module | None = None
-    predict: Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]] = supervised_predict
+    predict: Predict = supervised_predict
     prepare_batch: PrepareBatch = move_to_device
     attach_extra: AttachExtra | None = None
     before_evaluation: Callable[[bool], None] | None = None

@@ -24,7 +24,8 @@ from torchvision.io import encode_jpeg
 
 from recipes.__main__ import main
 from recipes.cifar.model import build_model
-from recipes.cifar.recipe import SHARED_CIFAR, Config
+from recipes.cifar.recipe import Config
+from recipes.common.paths import SHARED_DATA
 from recipes.runner import run
 
 pytestmark = pytest.mark.filterwarnings(  # torchvision 0.29 deprecates its JPEG codecs
@@ -209,7 +210,7 @@ def test_a_corrupt_jpeg_is_named(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code = main(["cifar", "--data-dir", "data", "--batch-size", "5"])
     expect_one_error_line(code, capsys.readouterr().err,
-                          [f"cannot decode image {bad.relative_to(tmp_path)}"])
+                          [f"cannot read image {bad.relative_to(tmp_path)}"])
     assert snapshot(tmp_path) == before
 
 
@@ -225,7 +226,7 @@ def test_a_run_dir_that_cannot_be_created_exits_2(tmp_path, monkeypatch, capsys)
 
 @pytest.mark.parametrize("args, fragments", [
     (["cifar", "--epoch", "3"], ["unknown key --epoch", "did you mean --epochs"]),
-    (["cifar", "--data-dir", "data"], ["cannot decode image data/train/class3/broken.jpg"]),
+    (["cifar", "--data-dir", "data"], ["cannot read image data/train/class3/broken.jpg"]),
 ])
 def test_bad_input_through_the_real_command_line(args, fragments, tmp_path):
     write_corrupt_image_folders(tmp_path / "data")
@@ -373,7 +374,7 @@ def test_a_run_on_image_folders(tmp_path):
 
 
 @pytest.mark.slow  # reads 50,000 JPEGs' file list and decodes a slice: about 20 s
-@pytest.mark.skipif(not SHARED_CIFAR.is_dir(), reason=f"no CIFAR-10 at {SHARED_CIFAR}")
+@pytest.mark.skipif(not (SHARED_DATA / "cifar10").is_dir(), reason="no shared CIFAR-10")
 def test_a_run_on_a_slice_of_the_real_set(tmp_path):
     """Decoding all 60k JPEGs takes ~12 s here (then the first 512/256 are kept)."""
     result = run_cli(["cifar", "--train-subset", "512", "--val-subset", "256", "--epochs", "1",

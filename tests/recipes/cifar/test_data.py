@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from torchvision.io import encode_jpeg, encode_png, write_file
 
 from recipes.cifar import data as cifar_data
@@ -74,6 +75,18 @@ def test_image_folders_load_in_round_robin_class_order_with_exact_png_pixels(tmp
     assert arrays.test_labels.dtype == torch.int64
     # Sample 4 is the second image of class 'dog'.
     assert torch.equal(arrays.train_images[4], pixels[tmp_path / "train/dog/0001.png"])
+
+
+def test_image_folders_read_every_listed_kind_of_image_in_any_case(tmp_path):
+    write_tree(tmp_path)
+    pixels = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(1))
+    Image.fromarray(pixels.permute(1, 2, 0).numpy()).save(tmp_path / "train/cat/0004.BMP")
+    (tmp_path / "train/cat/notes.txt").write_text("not an image: ignored")
+    arrays = load_cifar10(tmp_path, download=False)
+    assert len(arrays.train_labels) == 13
+    # Round robin: cat's fifth image comes after every class's fourth.
+    assert arrays.train_labels[12] == 0 and torch.equal(arrays.train_images[12], pixels)
 
 
 def test_class_sets_must_match_between_train_and_test(tmp_path):

@@ -11,6 +11,7 @@ from torch import nn
 
 from engine import TrainEvents, create_trainer
 from recipes.common.data_order import IndexBatches
+from recipes.common.image_files import read_image
 from recipes.images.data import (
     EpochBatchSampler,
     ImageFiles,
@@ -21,7 +22,6 @@ from recipes.images.data import (
     eval_transform,
     hold_out,
     list_image_folders,
-    read_image,
     train_transform,
 )
 from recipes.runner.errors import DataError

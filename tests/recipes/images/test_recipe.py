@@ -21,7 +21,7 @@ from PIL import Image
 from torch import nn
 
 from recipes.__main__ import main
-from recipes.images import recipe as images
+from recipes.common import paths
 from recipes.images.recipe import build_classifier
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
@@ -139,10 +139,12 @@ def test_bad_trees_exit_2_with_one_line_and_write_nothing(how, message, tmp_path
 
 def test_no_shared_cifar_folders_exit_2_saying_what_layout_is_expected(
         tmp_path, monkeypatch, capsys, quiet_ignite_logger):
-    monkeypatch.setattr(images, "SHARED_CIFAR", tmp_path / "absent")
+    monkeypatch.setattr(paths, "SHARED_DATA", tmp_path / "absent")
     monkeypatch.chdir(tmp_path)
     assert main(["images"]) == 2
-    assert "train/<class>/<image> and val/<class>/<image>" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert f"no CIFAR-10 folders at {tmp_path / 'absent' / 'cifar10'} or data/cifar10" in error
+    assert "train/<class>/<image> and val/<class>/<image>" in error
     assert not (tmp_path / "runs").exists()
 
 
