@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-PRECISIONS = ("fp32", "fp16", "bf16", "auto")
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")  # in the order --help lists them
 _DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

@@ -2,7 +2,7 @@
 repeats that survive a rollback.
 
 Each window's loss (its micro-batches' mean) and pre-clip gradient norm are compared on the
-device, inside the step, with ``factor`` times their median over the last ``history``
+device, inside the step, with ``factor`` times their median over the last ``window``
 windows; a window above it on a watched value is a spike once ``min_history`` windows are
 known. The comparison is the trainer's step veto (``Trainer.set_step_veto``): a spike is
 kept off the weights and the optimizer state by the same gate as a non-finite step, so the
@@ -56,9 +56,10 @@ import torch
 from ignite.engine import Engine, Events
 
 from engine import Trainer, TrainEvents
-from handlers.arguments import check_bool, check_int, check_number
+from handlers.arguments import check_bool, check_choice, check_int, check_number
 
 WATCHABLE = ("loss", "grad_norm")
+WATCH_CHOICES = ("both", *WATCHABLE)
 
 
 class LossSpikeError(RuntimeError):
@@ -81,25 +82,26 @@ class SpikeAction:
 class SpikeGuard:
     """Skip loss spikes, roll back after repeated ones, stop when they survive a rollback.
 
-    Arguments: ``factor`` (> 1, default 6) times the median is the threshold; ``history``
+    Arguments: ``factor`` (> 1, default 6) times the median is the threshold; ``window``
     (default 100) windows make the median, none decided before ``min_history`` (default
-    20, at most ``history``); ``watch`` names the values compared, ``"loss"`` and/or
-    ``"grad_norm"`` (both by default; meant for non-negative values, a median <= 0 never
-    flags). ``repeat`` (default 3) spikes within ``repeat_window`` (default 50) settled
-    windows roll back; ``snapshot_every`` (default 100) optimizer steps between snapshots;
-    ``skip_batches`` (default 200) batches dropped after a rollback; ``cooldown_factor``
-    (in (0, 1], default 0.5) for ``cooldown_steps`` (default 100) optimizer steps;
-    ``max_rollbacks`` (default 1) before a repeat stops the run; ``quiet`` silences the
-    printed lines (ranks other than 0).
+    20, at most ``window``); ``watch`` names the values compared: ``"both"`` (the
+    default), ``"loss"`` or ``"grad_norm"`` (meant for non-negative values, a median <= 0
+    never flags). ``repeat`` (default 3) spikes within ``repeat_window`` (default 50)
+    settled windows roll back; ``snapshot_every`` (default 100) optimizer steps between
+    snapshots; ``skip_batches`` (default 200) batches dropped after a rollback;
+    ``cooldown_factor`` (in (0, 1], default 0.5) for ``cooldown_steps`` (default 100)
+    optimizer steps; ``max_rollbacks`` (default 1) before a repeat stops the run; ``quiet``
+    silences the printed lines (ranks other than 0). Every argument but ``quiet`` is the
+    run key ``--spike-<name>`` of the same meaning, so a run passes them through unchanged.
     """
 
     def __init__(
         self,
         *,
         factor: float = 6.0,
-        history: int = 100,
+        window: int = 100,
         min_history: int = 20,
-        watch: tuple[str, ...] = WATCHABLE,
+        watch: str = "both",
         repeat: int = 3,
         repeat_window: int = 50,
         snapshot_every: int = 100,
@@ -110,13 +112,11 @@ class SpikeGuard:
         quiet: bool = False,
     ) -> None:
         check_number("factor", factor, 1.0, bounds="()")
-        check_int("history", history, 1)
+        check_int("window", window, 1)
         check_int("min_history", min_history, 1)
-        if min_history > history:
-            raise ValueError(f"min_history ({min_history}) must be <= history ({history})")
-        if (not isinstance(watch, tuple | list) or not watch or len(set(watch)) != len(watch)
-                or not set(watch) <= set(WATCHABLE)):
-            raise ValueError(f"watch must name some of {WATCHABLE}, each once, got {watch!r}")
+        if min_history > window:
+            raise ValueError(f"min_history ({min_history}) must be <= window ({window})")
+        check_choice("watch", watch, WATCH_CHOICES)
         check_int("repeat", repeat, 1)
         check_int("repeat_window", repeat_window, 1)
         check_int("snapshot_every", snapshot_every, 1)
@@ -126,8 +126,8 @@ class SpikeGuard:
         check_int("cooldown_steps", cooldown_steps, 0)
         check_int("max_rollbacks", max_rollbacks, 0)
         check_bool("quiet", quiet)
-        self.factor, self.history, self.min_history = float(factor), history, min_history
-        self.watch = tuple(watch)
+        self.factor, self.window, self.min_history = float(factor), window, min_history
+        self.watch = WATCHABLE if watch == "both" else (watch,)  # the names compared
         self.repeat, self.repeat_window = repeat, repeat_window
         self.snapshot_every, self.skip_batches = snapshot_every, skip_batches
         self.cooldown_factor, self.cooldown_steps = float(cooldown_factor), cooldown_steps
@@ -138,7 +138,7 @@ class SpikeGuard:
         self._cooldown_left = 0
         self._snapshot: dict[str, Any] | None = None
         self._position = 0  # the ring row the next window writes
-        self._ring: torch.Tensor | None = None  # [history, 2]: loss, grad_norm; NaN = none
+        self._ring: torch.Tensor | None = None  # [window, 2]: loss, grad_norm; NaN = none
         self._watched: torch.Tensor | None = None
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (values, median)
         self._trainer: Trainer | None = None
@@ -172,7 +172,7 @@ class SpikeGuard:
                                  "moves the trainer's position itself)")
         self._trainer = trainer
         device = trainer.precision.device
-        self._ring = torch.full((self.history, 2), math.nan, device=device)
+        self._ring = torch.full((self.window, 2), math.nan, device=device)
         self._watched = torch.tensor([name in self.watch for name in WATCHABLE], device=device)
         trainer.set_step_veto(self._is_spike)
         trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP, self._on_step)
@@ -202,7 +202,7 @@ class SpikeGuard:
         spike = over.any() & (known >= self.min_history)
         sound = torch.isfinite(values).all() & ~spike
         self._ring[self._position] = torch.where(sound, values, math.nan)
-        self._position = (self._position + 1) % self.history
+        self._position = (self._position + 1) % self.window
         self._last = (values, median)
         return spike
 
@@ -297,7 +297,7 @@ class SpikeGuard:
         self._cooldown_left, self._position = state["cooldown_left"], state["position"]
         if tuple(state["ring"].shape) != tuple(self._ring.shape):
             raise ValueError(f"the saved guard kept {state['ring'].shape[0]} windows of history, "
-                             f"this one keeps {self.history}")
+                             f"this one keeps {self.window}")
         self._ring.copy_(torch.where(state["ring_known"], state["ring"], math.nan))
         self._snapshot = state["snapshot"]  # never changed in place: replaced or copied from
         self._trainer.set_lr_scale(self.cooldown_factor if self._cooldown_left else 1.0)

@@ -46,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         recipe = load_recipe(name)
         if "-h" in rest or "--help" in rest:
-            print(help_text(recipe.config, f"python -m recipes {name}", recipe.summary))
+            print(help_text(recipe.config, f"python -m recipes {name}", recipe.summary,
+                            recipe.name))
             return 0
         commands = {"--describe", "--lr-find"} & set(rest)
         if len(commands) > 1:

@@ -1,9 +1,9 @@
 """Typed recipe configs from the command line.
 
 A recipe's config is a dataclass; every field is a flag (`--batch-size 512` or
-`--batch-size=512`). Field metadata carries the help text and the checks, so
-``--help``, validation and error messages come from one place. Errors are a
-``ConfigError`` with one line naming the key and what is allowed; the command
+`--batch-size=512`). Field metadata carries the help text, the checks and the key's group,
+so ``--help`` (in blocks by group), validation and error messages come from one place.
+Errors are a ``ConfigError`` with one line naming the key and what is allowed; the command
 line turns it into exit code 2 before anything touches the disk.
 """
 
@@ -29,14 +29,18 @@ def field(
     min_exclusive: bool = False,
     check: Callable[[Any], str | None] | None = None,
     fixed_on_resume: bool = False,
+    group: str | None = None,
 ) -> Any:
     """A config field. ``check(value)`` returns an error text or None.
 
     ``fixed_on_resume`` marks keys that shape the saved state (model, batch
-    shapes): a resumed run refuses to change them.
+    shapes): a resumed run refuses to change them. ``group`` names the block of
+    ``--help`` that lists the key (and ``group_values`` reads); a field declared again
+    without one keeps the group of the field it replaces.
     """
     metadata = {
         "help": help,
+        "group": group,
         "choices": tuple(choices) if choices is not None else None,
         "min": min,
         "max": max,
@@ -49,6 +53,24 @@ def field(
 
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def group_of(config_cls: type, name: str) -> str | None:
+    """The group of key ``name``: its own field's, else that of the nearest base class that
+    declares it with one (a recipe that changes a run key's default keeps it in its group)."""
+    for cls in config_cls.__mro__:
+        spec = vars(cls).get("__dataclass_fields__", {}).get(name)
+        if spec is not None and spec.metadata.get("group"):
+            return spec.metadata["group"]
+    return None
+
+
+def group_values(config: Any, group: str) -> dict[str, Any]:
+    """The values of ``group``'s keys by name, without the prefix ``<group>_``: the keyword
+    arguments of whatever the group configures (``group_values(config, "spike")`` gives
+    ``{"factor": 6.0, "window": 100, ...}``)."""
+    return {spec.name.removeprefix(f"{group}_"): getattr(config, spec.name)
+            for spec in dataclasses.fields(config) if group_of(type(config), spec.name) == group}
 
 
 def _base_type(annotation: Any) -> tuple[type, bool]:
@@ -132,12 +154,25 @@ def parse_args(config_cls: type, argv: Sequence[str]) -> tuple[Any, set[str]]:
     return config, set(values)
 
 
-def help_text(config_cls: type, prog: str, description: str) -> str:
-    lines = [f"usage: {prog} [--key value ...]", "", description, "", "keys (default, meaning):"]
-    for spec in dataclasses.fields(config_cls):
+def help_text(config_cls: type, prog: str, description: str, recipe_name: str) -> str:
+    """Usage, ``description``, then the keys (default, meaning) in blocks headed by their
+    group, in the order the groups are first declared; the keys without a group last, under
+    ``recipe_name``."""
+    specs = dataclasses.fields(config_cls)
+    flag_width = max(len(flag_name(spec.name)) for spec in specs)
+    default_width = max(len(str(spec.default)) for spec in specs)
+    blocks: dict[str | None, list[str]] = {}
+    for spec in specs:
         meta = spec.metadata
         allowed = f" [{' | '.join(str(c) for c in meta['choices'])}]" if meta.get("choices") else ""
-        lines.append(f"  {flag_name(spec.name):<22} {spec.default!s:<12} {meta['help']}{allowed}")
+        line = (f"  {flag_name(spec.name):<{flag_width}}  {spec.default!s:<{default_width}}  "
+                f"{meta['help']}{allowed}")
+        blocks.setdefault(group_of(config_cls, spec.name), []).append(line)
+    own = blocks.pop(None, [])
+    lines = [f"usage: {prog} [--key value ...]", "", description, "", "keys (default, meaning):"]
+    for heading, keys in [*blocks.items(), (f"{recipe_name} (the recipe's own keys)", own)]:
+        if keys:
+            lines += ["", f"{heading}:", *keys]
     return "\n".join(lines)
 
 

@@ -35,7 +35,7 @@ from handlers.spike_guard import SpikeAction, SpikeGuard
 from handlers.startup_checks import StartupChecks
 from handlers.weight_averaging import WeightAveraging
 from recipes.runner.api import RunPlan
-from recipes.runner.config import ConfigError
+from recipes.runner.config import ConfigError, group_values
 from recipes.runner.launch import RankZeroSave
 from recipes.runner.run_config import RunConfig
 
@@ -169,7 +169,7 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
     to_save |= {"early_stopping": early_stopping} if early_stopping is not None else {}
     spike_guard = None
     if config.spike_guard:
-        spike_guard = SpikeGuard(**config.spike_guard_options(), quiet=site.rank != 0)
+        spike_guard = SpikeGuard(**group_values(config, "spike"), quiet=site.rank != 0)
         spike_guard.rolls_back({name: obj for name, obj in to_save.items()
                                 if name not in NOT_ROLLED_BACK})
         to_save["spike_guard"] = spike_guard

@@ -34,7 +34,7 @@ class Unsized:
             ({"max_grad_norm": bad}, r"max_grad_norm must be a finite number > 0 or None")
             for bad in (0, -1, float("inf"), float("nan"))
         ],
-        ({"precision": "fp8"}, r"precision='fp8'.*allowed: fp32, fp16, bf16, auto"),
+        ({"precision": "fp8"}, r"precision='fp8'.*allowed: auto, fp32, fp16, bf16"),
         ({"device": "tpu"}, r"device='tpu'.*allowed: 'cpu', 'cuda'"),
         pytest.param({"device": "cuda"}, r"device='cuda'.*CUDA is not available", marks=no_cuda),
         ({"non_finite": "ignore"}, r"non_finite='ignore'.*allowed: 'skip', 'raise'"),

@@ -14,7 +14,7 @@ from handlers.spike_guard import LossSpikeError, SpikeGuard
 EPOCH_LENGTH, EPOCHS = 16, 3
 # Small enough for a run of 48 iterations: decisions from the 4th window on, two spikes
 # within 5 windows roll back.
-LADDER = {"history": 8, "min_history": 4, "repeat": 2, "repeat_window": 5,
+LADDER = {"window": 8, "min_history": 4, "repeat": 2, "repeat_window": 5,
           "snapshot_every": 3, "skip_batches": 3, "cooldown_steps": 4, "quiet": True}
 
 
@@ -83,9 +83,9 @@ def record(trainer, every=Events.ITERATION_COMPLETED):
 
 
 @pytest.mark.parametrize("bad", [
-    {"factor": 1.0}, {"factor": True}, {"history": 0}, {"min_history": 0},
-    {"history": 5, "min_history": 6}, {"watch": ()}, {"watch": ("loss", "loss")},
-    {"watch": ("accuracy",)}, {"repeat": 0}, {"repeat_window": 0}, {"snapshot_every": 0},
+    {"factor": 1.0}, {"factor": True}, {"window": 0}, {"min_history": 0},
+    {"window": 5, "min_history": 6}, {"watch": ""}, {"watch": ("loss",)},
+    {"watch": "accuracy"}, {"repeat": 0}, {"repeat_window": 0}, {"snapshot_every": 0},
     {"skip_batches": -1}, {"cooldown_factor": 0.0}, {"cooldown_factor": 1.5},
     {"cooldown_steps": -1}, {"max_rollbacks": -1}, {"quiet": 1},
 ])
@@ -237,7 +237,7 @@ def test_state_dict_round_trip_is_weights_only_and_needs_an_attached_guard(tmp_p
     assert loaded["rollbacks"] == 1 and loaded["snapshot"]["optimizer_step"] > 0
     with pytest.raises(ValueError, match="attach"):
         SpikeGuard(**LADDER).load_state_dict(loaded)
-    other_trainer, other, _, _ = make_run(history=9)
+    other_trainer, other, _, _ = make_run(window=9)
     with pytest.raises(ValueError, match="kept 8 windows"):
         other.load_state_dict(loaded)
     fresh_trainer, fresh, _, _ = make_run()

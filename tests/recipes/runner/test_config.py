@@ -1,16 +1,21 @@
 import dataclasses
+import inspect
 from dataclasses import dataclass
 
 import pytest
 
+from handlers.spike_guard import SpikeGuard
 from recipes.runner.config import (
     ConfigError,
     field,
+    group_of,
+    group_values,
     help_text,
     parse_args,
     resume_overrides,
     validate,
 )
+from recipes.runner.run_config import RunConfig
 
 
 def _even(value: int) -> str | None:
@@ -150,13 +155,95 @@ def test_parse_args_validates_after_converting():
 
 
 def test_help_lists_every_key_with_its_default_help_and_choices():
-    text = help_text(Sample, "prog", "what it does")
+    text = help_text(Sample, "prog", "what it does", "sample")
     assert text.startswith("usage: prog [--key value ...]") and "what it does" in text
     for spec in dataclasses.fields(Sample):
         line = next(line for line in text.splitlines()
                     if line.split()[:1] == ["--" + spec.name.replace("_", "-")])
         assert str(spec.default) in line and spec.metadata["help"] in line
     assert "[fast | slow]" in text
+
+
+@dataclass
+class Task(RunConfig):
+    """A recipe's config: its own keys, and a run key declared again for another default."""
+
+    epochs: int = field(3, "epochs to train", min=1)
+    width: int = field(4, "layer width", min=1)
+    depth: int = field(2, "layers", min=1)
+
+
+RUN_GROUPS = ["run", "schedule", "precision", "checkpoints", "health", "spike", "distributed"]
+
+
+def _help_blocks(text: str) -> dict[str, list[str]]:
+    """{heading: the flags listed under it}, in the order of the headings."""
+    blocks: dict[str, list[str]] = {}
+    for line in text.split("keys (default, meaning):\n", 1)[1].splitlines():
+        if line.endswith(":") and not line.startswith(" "):
+            heading = blocks.setdefault(line[:-1], [])
+        elif line.strip():
+            heading.append(line.split()[0])
+    return blocks
+
+
+def test_help_lists_the_run_groups_in_order_then_the_recipes_own_keys():
+    blocks = _help_blocks(help_text(Task, "prog", "what it does", "task"))
+    assert list(blocks) == [*RUN_GROUPS, "task (the recipe's own keys)"]
+    assert blocks["task (the recipe's own keys)"] == ["--width", "--depth"]
+    listed = [flag for flags in blocks.values() for flag in flags]
+    assert sorted(listed) == sorted("--" + f.name.replace("_", "-")
+                                    for f in dataclasses.fields(Task))
+
+
+@pytest.mark.parametrize("group, flags", [
+    ("run", ["--epochs", "--batch-size", "--lr", "--seed", "--device", "--run-name"]),
+    ("schedule", ["--scheduler", "--warmup-fraction", "--min-lr-ratio"]),
+    ("precision", ["--precision"]),
+    ("checkpoints", ["--resume", "--checkpoint-every", "--keep-last"]),
+    ("health", ["--checks", "--patience", "--spike-guard"]),
+    ("spike", ["--spike-factor", "--spike-window", "--spike-watch", "--spike-max-rollbacks"]),
+    ("distributed", ["--nproc", "--backend"]),
+])
+def test_help_lists_each_run_key_under_its_group(group, flags):
+    blocks = _help_blocks(help_text(Task, "prog", "what it does", "task"))
+    assert set(flags) <= set(blocks[group])
+
+
+def test_a_redeclared_run_key_keeps_its_group_and_its_new_default():
+    assert group_of(Task, "epochs") == "run" and group_of(Task, "width") is None
+    line = next(line for line in help_text(Task, "prog", "", "task").splitlines()
+                if line.split()[:1] == ["--epochs"])
+    assert line.split()[1] == "3"
+
+
+def test_group_values_are_the_groups_keys_without_the_prefix():
+    config, _ = parse_args(Task, ["--spike-window", "7", "--scheduler", "cosine"])
+    spike = group_values(config, "spike")
+    assert spike["window"] == 7 and spike["watch"] == "both" and "guard" not in spike
+    assert group_values(config, "schedule")["scheduler"] == "cosine"
+    assert group_values(config, "precision") == {"precision": "auto"}
+
+
+def test_the_spike_keys_are_spike_guards_arguments():
+    """Every --spike-<name> is SpikeGuard's argument <name> (all but quiet, which a run
+    sets per rank): a key or an argument renamed on one side only fails here."""
+    arguments = set(inspect.signature(SpikeGuard).parameters) - {"quiet"}
+    assert set(group_values(RunConfig(), "spike")) == arguments
+
+
+def test_spike_guard_takes_the_spike_keys_unchanged():
+    config, _ = parse_args(RunConfig, ["--spike-window", "7", "--spike-min-history", "3",
+                                       "--spike-watch", "loss", "--spike-factor", "4"])
+    guard = SpikeGuard(**group_values(config, "spike"))
+    assert (guard.window, guard.min_history, guard.watch, guard.factor) == (7, 3, ("loss",), 4.0)
+
+
+@pytest.mark.parametrize("watch, watched", [("both", ("loss", "grad_norm")),
+                                            ("loss", ("loss",)), ("grad_norm", ("grad_norm",))])
+def test_every_spike_watch_choice_is_one_spike_guard_accepts(watch, watched):
+    config, _ = parse_args(RunConfig, ["--spike-watch", watch])
+    assert SpikeGuard(**group_values(config, "spike")).watch == watched
 
 
 def _saved(**changes) -> dict:
