@@ -26,6 +26,7 @@ import torch
 import torchvision
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
+from handlers.arguments import check_int, check_number
 from handlers.atomic_write import write_atomically
 from recipes.common.image_files import class_names, list_class_folder, read_image
 from recipes.runner.errors import DataError
@@ -264,8 +265,7 @@ def make_synthetic(n_train: int, n_test: int, seed: int, num_classes: int = 10) 
     mean colour and a smooth pattern (4x4 upsampled, so it survives crops and flips
     roughly), and every image is its class mean plus pixel noise. Classes are balanced."""
     for name, value in (("n_train", n_train), ("n_test", n_test), ("num_classes", num_classes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(name, value, 1)
     generator = torch.Generator().manual_seed(seed)
     colours = torch.rand(num_classes, 3, 1, 1, generator=generator)
     patterns = torch.rand(num_classes, 3, 4, 4, generator=generator)
@@ -305,10 +305,7 @@ def subset(arrays: CifarArrays, train_subset: int | None, val_subset: int | None
 def holdout_validation(arrays: CifarArrays, val_fraction: float) -> CifarArrays:
     """Hold out the last ``val_fraction`` of the training set as the evaluation split
     (returned in test_*; the real test set is dropped), so tuning never sees the test set."""
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float) or not (
-        0 < val_fraction < 1
-    ):
-        raise ValueError(f"val_fraction must be a number in (0, 1), got {val_fraction!r}")
+    check_number("val_fraction", val_fraction, 0, 1, "()")
     n_train = len(arrays.train_labels)
     n_val = round(n_train * val_fraction)
     if not 1 <= n_val < n_train:
