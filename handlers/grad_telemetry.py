@@ -76,16 +76,11 @@ class GradientTelemetry:
         self, log_every: int, layer_every: int | None = None, top_k_layers: int = 5
     ) -> None:
         check_int("log_every", log_every, 1)
-        if layer_every is not None and (
-            isinstance(layer_every, bool)
-            or not isinstance(layer_every, int)
-            or layer_every < 1
-            or layer_every % log_every
-        ):
-            raise ValueError(
-                f"layer_every must be None or a positive multiple of log_every={log_every}, "
-                f"got {layer_every!r}"
-            )
+        if layer_every is not None:
+            check_int("layer_every", layer_every, log_every)
+            if layer_every % log_every:
+                raise ValueError(f"layer_every must be a multiple of log_every={log_every}, "
+                                 f"got {layer_every!r}")
         check_int("top_k_layers", top_k_layers, 1)
         self.log_every, self.layer_every, self.top_k_layers = log_every, layer_every, top_k_layers
         self.latest: TelemetryReport | None = None
