@@ -191,7 +191,7 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         wrap_save=RankZeroSave)
     stop = GracefulStop(checkpointer.last_handler)  # every rank gets the signal, all save
     in_order: list[Handler | None] = [
-        StartupChecks(site.num_classes) if config.checks == "on" else None,  # first at STARTED
+        StartupChecks(site.num_classes) if config.checks == "on" else None,
         telemetry,  # the step's numbers, before anything that reports them
         history,
         early_stopping,
