@@ -14,9 +14,11 @@ Under ``--nproc`` spawning, take the lock in the parent before spawning and rele
 after the group ends: the parent holds it for every rank.
 """
 
+import errno
 import fcntl
 import os
 import socket
+import stat
 from pathlib import Path
 from types import TracebackType
 
@@ -46,8 +48,7 @@ class RunLock:
         if self._fd is not None:
             raise RuntimeError(f"{self.path} is already held by this RunLock")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # O_CLOEXEC: a program this process executes must not keep the run locked after we exit.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = self._open_regular_file()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -64,6 +65,25 @@ class RunLock:
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
         _HELD.add(self)
+
+    def _open_regular_file(self) -> int:
+        """Open (or create) the lock file itself: never through a link, which would truncate
+        whatever it points at, and never a folder, FIFO or device."""
+        # O_CLOEXEC: a program this process executes must not keep the run locked after we exit.
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused just after).
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        refused = ConfigError(f"{self.path} is not a regular file (a link, folder or device); "
+                              "remove it, or choose another --run-name")
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as error:
+            if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise refused from None
+            raise ConfigError(f"cannot open {self.path}: {error.strerror}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise refused
+        return fd
 
     def release(self) -> None:
         """Drop the lock; a no-op when not held. The file stays: deleting it would let a

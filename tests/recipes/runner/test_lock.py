@@ -135,3 +135,31 @@ def test_the_lock_file_is_not_inherited_by_executed_programs(tmp_path):
 def test_acquiring_twice_on_one_object_is_a_bug(tmp_path):
     with RunLock(tmp_path / "run") as lock, pytest.raises(RuntimeError, match="already held"):
         lock.acquire()
+
+
+def test_a_lock_that_is_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    """A ``.lock`` linking elsewhere must not be followed: opening it would truncate the
+    file it points at."""
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / LOCK_NAME).symlink_to(target)
+    with pytest.raises(ConfigError, match="not a regular file") as refused:
+        RunLock(run_dir).acquire()
+    assert "\n" not in str(refused.value) and str(run_dir / LOCK_NAME) in str(refused.value)
+    assert target.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_lock_that_is_not_a_regular_file_is_refused(tmp_path, kind):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock_path = run_dir / LOCK_NAME
+    if kind == "folder":
+        lock_path.mkdir()
+    else:
+        os.mkfifo(lock_path)
+    with pytest.raises(ConfigError, match="not a regular file") as refused:
+        RunLock(run_dir).acquire()
+    assert "\n" not in str(refused.value)
