@@ -39,6 +39,7 @@ from handlers.spike_guard import LossSpikeError
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
 from recipes.runner.config import ConfigError, resume_overrides
 from recipes.runner.curves import plot_curves
+from recipes.runner.environment import environment_record
 from recipes.runner.errors import USER_ERRORS
 from recipes.runner.fingerprint import describe_change
 from recipes.runner.folder import read_saved_config, resolve_run_dir, write_json_atomic
@@ -159,8 +160,10 @@ def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | No
                           ) from None
     if lock is not None and not lock.held:
         lock.acquire()
+    environment = environment_record(process_device(config.device), launch.world_size)
     write_json_atomic(run_dir / "config.json", {"run_id": run_id, "data": fingerprint,
-                                                "config": dataclasses.asdict(config)})
+                                                "config": dataclasses.asdict(config),
+                                                "environment": environment})
     return Started(run_dir, run_id, fingerprint, data)
 
 
@@ -307,7 +310,9 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     if stop.exit_code is not None and exit_code == 0:  # a failed save outranks the signal
         status, exit_code = f"interrupted by {stop.received.name}", stop.exit_code
     if rank == 0:
-        exit_code = _write_summary(recipe, trainer, handlers, started, status) or exit_code
+        environment = environment_record(process_device(config.device), world)
+        exit_code = _write_summary(recipe, trainer, handlers, started, status,
+                                   environment) or exit_code
     return exit_code
 
 
@@ -329,14 +334,16 @@ def _follow_new_lr_and_length(config: RunConfig, saved: dict, trainer: Trainer,
 
 
 def _write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
-                   started: Started, status: str) -> int:
-    """Print and write ``summary.json`` and the curves; 4 when the disk refuses them."""
+                   started: Started, status: str, environment: dict[str, Any]) -> int:
+    """Print and write ``summary.json`` (with the environment record) and the curves; 4
+    when the disk refuses them."""
     history, early_stopping = handlers.history, handlers.early_stopping
     history.stopped_early = bool(early_stopping and early_stopping.stopped_early)
     summary = {"status": status, "run_id": started.run_id, **history.summary(trainer)}
     if handlers.spike_guard is not None:
         summary |= handlers.spike_guard.summary()
     print(json.dumps(summary, indent=2))
+    summary["environment"] = environment  # in the file only: the printed summary stays short
     try:  # the disk that failed a checkpoint may fail these too: the checkpoints matter
         write_json_atomic(started.run_dir / "summary.json", summary)
         plot_curves(history, started.run_dir / "curves.png",
