@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from ignite.engine import Engine, Events
@@ -284,7 +284,7 @@ class Checkpointer:
         self._crash.save_started()
         writing = {"file_mode": self.file_mode, "crash": self._crash}
         try:
-            write_atomically(path, lambda file: torch.save(payload, file), **writing)
+            write_atomically(path, lambda file: _torch_save(payload, file), **writing)
             self._crash.reach("before_sidecar")
             sidecar = {**meta, "file": name, "size_bytes": path.stat().st_size,
                        "sha256": sha256_of(path)}
@@ -351,6 +351,15 @@ class Checkpointer:
         logger.info("resumed from %s (epoch %d, iteration %d, optimizer step %d)", path,
                     meta["epoch"], meta["iteration"], meta["optimizer_step"])
         return ResumeInfo(path, meta, rejected)
+
+
+def _torch_save(payload: dict[str, Any], file: BinaryIO) -> None:
+    """``torch.save``, with a failed write as the ``OSError`` it is: the zip writer reports a
+    full disk or a file-size limit as a RuntimeError (``inline_container.cc``)."""
+    try:
+        torch.save(payload, file)
+    except RuntimeError as err:
+        raise OSError((str(err).strip().splitlines() or [type(err).__name__])[0]) from err
 
 
 def _check_to_save(to_save: Mapping[str, Any]) -> None:

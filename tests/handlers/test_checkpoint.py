@@ -401,10 +401,17 @@ def _permission_denied(*args, **kwargs):
     raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
 
 
+def _zip_writer_failure(*args, **kwargs):
+    """What torch.save raises when a write fails under its zip writer (a full disk, a
+    file-size limit): a RuntimeError, not an OSError."""
+    raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+
 @pytest.mark.parametrize(
     ("module", "name", "failure", "reason"),
     [
         (torch, "save", _enospc, "No space left on device"),
+        (torch, "save", _zip_writer_failure, "inline_container.cc"),
         (os, "fsync", _enospc, "No space left on device"),
         (os, "replace", _read_only, "Read-only file system"),
         (tempfile, "mkstemp", _permission_denied, "Permission denied"),
@@ -428,6 +435,39 @@ def test_a_disk_error_raises_keeps_the_previous_checkpoint_and_leaves_no_temp_fi
     assert not [path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
     assert read_checkpoint(tmp_path / "last.pt", expected_run_id="run-a")["meta"]["iteration"] == 1
     assert run.ckpt.state_dict() == state_before
+
+
+FILE_SIZE_LIMIT_SCRIPT = """
+import resource, signal, sys
+sys.path.insert(0, "tests/handlers")
+import test_checkpoint as t
+from handlers.checkpoint import CheckpointError, read_checkpoint
+run = t._build(sys.argv[1])
+t._move_trainer_to(run, 1)
+run.ckpt.save_last(run.trainer)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))  # smaller than a checkpoint
+t._move_trainer_to(run, 2)
+try:
+    run.ckpt.save_last(run.trainer)
+except CheckpointError as error:
+    print(error)
+print(read_checkpoint(t.Path(sys.argv[1]) / "last.pt")["meta"]["iteration"])
+"""
+
+
+def test_a_file_size_limit_during_a_save_is_a_checkpoint_error_and_keeps_the_last_one(
+    tmp_path
+):
+    """A real failed write (``ulimit -f``): torch.save raises RuntimeError from its zip
+    writer; the save must turn it into CheckpointError (the run exits 4 on it)."""
+    done = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT_SCRIPT, str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    error, iteration = done.stdout.strip().splitlines()
+    assert error.startswith(f"{tmp_path / 'step-00000002.pt'}: could not save: "), error
+    assert iteration == "1"
+    assert not [path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
 
 
 # Test hooks, arguments, the code itself
