@@ -43,6 +43,7 @@ from recipes.runner.environment import environment_record
 from recipes.runner.errors import USER_ERRORS
 from recipes.runner.fingerprint import describe_change
 from recipes.runner.folder import read_saved_config, resolve_run_dir, write_json_atomic
+from recipes.runner.init_from import applies, load_init_weights, plan_init_from
 from recipes.runner.launch import (
     launched_by_torchrun,
     plan_launch,
@@ -153,6 +154,7 @@ def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | No
     overrides += _data_change(saved, fingerprint, config.allow_data_change)
     for line in overrides:
         print(line)
+    init_from = plan_init_from(recipe, config, given, run_dir, data, saved)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # not writable, or a file in the way
@@ -163,7 +165,9 @@ def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | No
     environment = environment_record(process_device(config.device), launch.world_size)
     write_json_atomic(run_dir / "config.json", {"run_id": run_id, "data": fingerprint,
                                                 "config": dataclasses.asdict(config),
-                                                "environment": environment})
+                                                "environment": environment,
+                                                **({"init_from": init_from} if init_from
+                                                   else {})})
     return Started(run_dir, run_id, fingerprint, data)
 
 
@@ -226,6 +230,8 @@ def build_parts(recipe: Recipe, config: RunConfig, data: Any, run_dir: Path
     torch.manual_seed(config.seed)
     random.seed(config.seed)  # its state is in every checkpoint (RngState)
     parts = recipe.build(config, data, ctx)
+    if applies(config, run_dir):  # a fresh run: before averaging copies the weights
+        load_init_weights(parts.model, config.init_from)
     trainer = create_trainer(parts.train_model or parts.model, parts.optimizer, parts.loss_fn,
                              forward=parts.forward, device=ctx.device,
                              precision=config.precision, accum_steps=config.accum_steps,

@@ -102,6 +102,10 @@ class RunConfig:
     checkpoint_every: int = checkpoints_key(50, "save 'last' every N optimizer steps (and "
                                             "every epoch)", min=1)
     keep_last: int = checkpoints_key(3, "history checkpoints to keep", min=1)
+    init_from: str = checkpoints_key("", "start a new run from the model weights of a run "
+                                     "folder (its best.pt, else last.pt) or a checkpoint "
+                                     "file: no optimizer, step or schedule state; ignored "
+                                     "once the run has checkpoints (it resumes)")
 
     checks: str = health_key("on", "start-up checks: NaN/Inf in the first batch, labels in "
                              "range, first loss near ln(classes)", choices=("on", "off"))

@@ -1,0 +1,122 @@
+"""``--init-from``: a new run that begins with the model weights of an earlier run.
+
+Only the model's weights are taken: the optimizer, step, schedule, data position and RNG
+start as in any fresh run. The source is a checkpoint file or a run folder (its
+``checkpoints/best.pt``, else ``last.pt``), verified as a resume verifies it (sidecar,
+sha256, ``weights_only``). It applies to a fresh run only: once the run folder holds a
+committed checkpoint, the run resumes from it and ``--init-from`` is ignored. The run
+records where its weights came from in ``config.json`` (``init_from``).
+"""
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from handlers.checkpoint_files import CheckpointError, read_checkpoint, read_sidecar
+from recipes.runner.api import Context, Recipe
+from recipes.runner.config import ConfigError
+
+EXPECTED = "expected a run folder or one of its checkpoint files (a .pt with its .pt.json)"
+
+
+@dataclass(frozen=True)
+class InitWeights:
+    """The verified model weights of a checkpoint and the record of where they came from."""
+
+    weights: dict[str, torch.Tensor]
+    record: dict[str, Any]
+
+
+def run_has_started(run_dir: Path) -> bool:
+    """True when the run folder holds a committed checkpoint (``last.pt`` or a sidecar), the
+    ones a resume would load: a first save killed before its sidecar leaves none."""
+    folder = run_dir / "checkpoints"
+    return (folder / "last.pt").exists() or any(folder.glob("*.pt.json"))
+
+
+def applies(config: Any, run_dir: Path) -> bool:
+    """Whether this start takes ``--init-from``: given, and the run is fresh (no committed
+    checkpoint in its folder and no ``--resume <file>``)."""
+    return bool(config.init_from) and config.resume in ("auto", "never") \
+        and not run_has_started(run_dir)
+
+
+def resolve_checkpoint(source: str) -> Path:
+    """The checkpoint file ``source`` names: the file itself, or a run folder's (or its
+    ``checkpoints`` folder's) ``best.pt``, else ``last.pt``."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise ConfigError(f"--init-from {source}: no such file or folder; {EXPECTED}")
+    for folder in (path / "checkpoints", path):
+        for name in ("best.pt", "last.pt"):
+            if (folder / name).is_file():
+                return folder / name
+    raise ConfigError(f"--init-from {source}: no checkpoints/best.pt or last.pt in this "
+                      f"folder; {EXPECTED}")
+
+
+def read_init_weights(source: str) -> InitWeights:
+    """Verify and read the model weights ``source`` names (``ConfigError`` otherwise)."""
+    path = resolve_checkpoint(source)
+    try:
+        payload = read_checkpoint(path, required_keys=("model",))
+        sidecar = read_sidecar(path)
+    except CheckpointError as error:
+        raise ConfigError(f"--init-from {error.path}: {error.reason}; {EXPECTED}") from None
+    meta = payload["meta"]
+    record = {"path": str(path.resolve()), "sha256": sidecar["sha256"],
+              "run_id": meta.get("run_id"), "kind": meta.get("kind"),
+              "epoch": meta.get("epoch"), "optimizer_step": meta.get("optimizer_step")}
+    return InitWeights(payload["model"], record)
+
+
+def check_fits(init: InitWeights, model_state: Mapping[str, torch.Tensor]) -> None:
+    """Refuse weights of another recipe or model, naming the first key that does not fit."""
+    where = f"--init-from {init.record['path']}"
+    for key, tensor in model_state.items():
+        if key not in init.weights:
+            raise ConfigError(f"{where}: this model's {key!r} is not in the checkpoint (a "
+                              "checkpoint of another recipe or model?)")
+        theirs = init.weights[key]
+        if theirs.shape != tensor.shape:
+            raise ConfigError(f"{where}: {key!r} has shape {list(theirs.shape)} in the "
+                              f"checkpoint, {list(tensor.shape)} in this model (another "
+                              "model or size?)")
+    unexpected = [key for key in init.weights if key not in model_state]
+    if unexpected:
+        raise ConfigError(f"{where}: the checkpoint's {unexpected[0]!r} is not in this model "
+                          "(a checkpoint of another recipe or model?)")
+
+
+def load_init_weights(model: nn.Module, source: str) -> InitWeights:
+    """Copy the verified weights of ``source`` into ``model`` (checked key by key first)."""
+    init = read_init_weights(source)
+    check_fits(init, model.state_dict())
+    model.load_state_dict(init.weights)
+    return init
+
+
+def plan_init_from(recipe: Recipe, config: Any, given: set[str], run_dir: Path, data: Any,
+                   saved: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``init_from`` record for ``config.json``. On a fresh run the weights are verified
+    and checked against the recipe's model, built here on the CPU (before anything is
+    written; the random state is left as it was); a resumed run keeps its saved record."""
+    if not applies(config, run_dir):
+        if "init_from" in given and config.init_from:
+            print(f"--init-from ignored: {run_dir} already started (it resumes from its "
+                  "checkpoints)")
+        return (saved or {}).get("init_from")
+    init = read_init_weights(config.init_from)
+    python_state = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        model = recipe.build(config, data, Context(torch.device("cpu"), 0, 1, run_dir)).model
+    random.setstate(python_state)
+    check_fits(init, model.state_dict())
+    return init.record
