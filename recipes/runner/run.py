@@ -54,6 +54,12 @@ from recipes.runner.launch import (
 )
 from recipes.runner.lock import RunLock
 from recipes.runner.registry import load_recipe, recipe_ref
+from recipes.runner.resume_request import (
+    check_resume_file,
+    saved_in_checkpoints,
+    stored_config,
+    without_requests,
+)
 from recipes.runner.run_config import RunConfig
 from recipes.runner.standard_handlers import (
     TRAIN_DATA,
@@ -118,7 +124,9 @@ def _check_run(recipe: Recipe, config: RunConfig, given: set[str]) -> tuple[Path
     if config.resume == "never" and any((run_dir / "checkpoints").glob("*.pt")):
         raise ConfigError(f"--resume never: {run_dir} already holds checkpoints; use --resume auto "
                           "to continue it or another --run-name to start anew")
-    return run_dir, (None if config.resume == "never" else saved)
+    if config.resume == "never":
+        return run_dir, None
+    return run_dir, without_requests(saved or saved_in_checkpoints(run_dir / "checkpoints"))
 
 
 def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | None) -> Started:
@@ -127,6 +135,7 @@ def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | No
     run_dir, saved = _check_run(recipe, config, given)
     overrides = resume_overrides(saved["config"], config, given) if saved else []
     run_id = saved["run_id"] if saved else new_run_id()
+    check_resume_file(config.resume, run_id)
     launch = _launch(config)
     if launched_by_torchrun() and launch.backend != idist.backend():
         raise ConfigError(f"--backend: this run resolves to {launch.backend}, but the group "
@@ -164,7 +173,7 @@ def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | No
         lock.acquire()
     environment = environment_record(process_device(config.device), launch.world_size)
     write_json_atomic(run_dir / "config.json", {"run_id": run_id, "data": fingerprint,
-                                                "config": dataclasses.asdict(config),
+                                                "config": stored_config(config),
                                                 "environment": environment,
                                                 **({"init_from": init_from} if init_from
                                                    else {})})
