@@ -4,10 +4,11 @@
 or only ``train/`` with ``--val-fraction``. Each sample is decoded and augmented in a
 DataLoader worker (pad-and-crop for images of 64 px or less, a random resized crop
 above, then a horizontal flip) and normalised on the device. The network is any
-torchvision classification model by name, untrained, with a CIFAR-style stem for small
-images, trained with SGD-Nesterov and label smoothing. A run killed mid-epoch resumes
-exactly, with any number of workers (``recipes.images.data``). The run itself (folder,
-resume, handlers, processes) is ``recipes.runner.run``'s.
+torchvision classification model by name, untrained with a CIFAR-style stem for small
+images or from torchvision's pretrained weights with a new head (``--weights``), trained
+with SGD-Nesterov and label smoothing. A run killed mid-epoch resumes exactly, with any
+number of workers (``recipes.images.data``). The run itself (folder, resume, handlers,
+processes) is ``recipes.runner.run``'s.
 """
 
 import os
@@ -38,6 +39,7 @@ from recipes.images.data import (
     shorter_side,
     train_transform,
 )
+from recipes.images.pretrained import pretrained_classifier, read_pretrained, weights_file
 from recipes.runner.api import Context, Parts, Recipe
 from recipes.runner.config import field
 from recipes.runner.errors import DataError
@@ -54,6 +56,12 @@ def _check_model(name: str) -> str | None:
     if name in CLASSIFIERS:
         return None
     return f"must be a torchvision classification model (e.g. resnet18), got {name!r}"
+
+
+def _check_weights(value: str) -> str | None:
+    if value in ("none", "DEFAULT") or Path(value).is_file():
+        return None
+    return f"must be DEFAULT, none or a weights file; {value!r} is not a file"
 
 
 @dataclass
@@ -73,8 +81,12 @@ class Config(OptimizerChoice, RunConfig):
     normalize: str = field("train", "per-channel mean and std: train = measured on up to 256 "
                            "training images at each start, imagenet = ImageNet's",
                            choices=("train", "imagenet"), fixed_on_resume=True)
-    model: str = field("resnet18", "any torchvision classification model by name (no "
-                       "pretrained weights)", check=_check_model, fixed_on_resume=True)
+    model: str = field("resnet18", "any torchvision classification model by name (untrained "
+                       "unless --weights)", check=_check_model, fixed_on_resume=True)
+    weights: str = field("none", "start --model from pretrained weights, its classifier head "
+                         "replaced for the folder's classes: DEFAULT (torchvision's, downloaded "
+                         "into torch's cache), a state_dict file (.pth), or none",
+                         check=_check_weights)
     num_workers: int = field(len(os.sched_getaffinity(0)), "DataLoader worker processes "
                              "(default: this machine's cores; 0: load in the training "
                              "process); kept on resume", min=0, fixed_on_resume=True)
@@ -93,6 +105,7 @@ class ImageData:
     image_size: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    pretrained: dict | None = None  # --weights: torchvision's state_dict for --model
 
 
 def load_data(config: Config) -> ImageData:
@@ -110,9 +123,11 @@ def load_data(config: Config) -> ImageData:
     if idist.get_rank() == 0:
         report_skipped(folders.skipped, root)
     size = config.image_size or min(shorter_side(folders.train[0][0]), MAX_AUTO_SIZE)
+    weights = weights_file(config.weights, config.model)
+    pretrained = None if weights is None else read_pretrained(weights, config.model)
     if config.normalize == "imagenet":
-        return ImageData(folders, size, IMAGENET_MEAN, IMAGENET_STD)
-    return ImageData(folders, size, *channel_stats(folders.train, size))
+        return ImageData(folders, size, IMAGENET_MEAN, IMAGENET_STD, pretrained)
+    return ImageData(folders, size, *channel_stats(folders.train, size), pretrained)
 
 
 def build_classifier(name: str, num_classes: int, small_images: bool) -> nn.Module:
@@ -147,8 +162,12 @@ def build(config: Config, data: ImageData, ctx: Context) -> Parts:
     val_batches = eval_loader(ImageFiles(folders.val, eval_transform(data.image_size)),
                               config.batch_size // ctx.world_size, num_workers=config.num_workers,
                               rank=ctx.rank, world_size=ctx.world_size, pin_memory=pin_memory)
-    net = build_classifier(config.model, len(folders.classes),
-                           small_images=data.image_size <= SMALL_IMAGE_MAX).to(ctx.device)
+    if data.pretrained is None:
+        net = build_classifier(config.model, len(folders.classes),
+                               small_images=data.image_size <= SMALL_IMAGE_MAX)
+    else:
+        net = pretrained_classifier(config.model, data.pretrained, len(folders.classes))
+    net = net.to(ctx.device)
     model = idist.auto_model(net) if ctx.world_size > 1 else net  # checkpoints hold `net`
     optimizer = build_optimizer(config, model, own="sgd", lr=config.lr,
                                 momentum=config.momentum, nesterov=config.nesterov)

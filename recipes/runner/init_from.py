@@ -77,22 +77,27 @@ def read_init_weights(source: str) -> InitWeights:
     return InitWeights(payload["model"], record)
 
 
+def first_mismatch(theirs: Mapping[str, torch.Tensor], ours: Mapping[str, torch.Tensor],
+                   source: str = "the checkpoint") -> str | None:
+    """The first key in which the weights ``theirs`` do not fit a model whose state is
+    ``ours`` (missing, another shape, or extra), said in words; None when they fit."""
+    for key, tensor in ours.items():
+        if key not in theirs:
+            return f"this model's {key!r} is not in {source} (another recipe or model?)"
+        if theirs[key].shape != tensor.shape:
+            return (f"{key!r} has shape {list(theirs[key].shape)} in {source}, "
+                    f"{list(tensor.shape)} in this model (another model or size?)")
+    extra = next((key for key in theirs if key not in ours), None)
+    if extra is not None:
+        return f"{source}'s {extra!r} is not in this model (another recipe or model?)"
+    return None
+
+
 def check_fits(init: InitWeights, model_state: Mapping[str, torch.Tensor]) -> None:
     """Refuse weights of another recipe or model, naming the first key that does not fit."""
-    where = f"--init-from {init.record['path']}"
-    for key, tensor in model_state.items():
-        if key not in init.weights:
-            raise ConfigError(f"{where}: this model's {key!r} is not in the checkpoint (a "
-                              "checkpoint of another recipe or model?)")
-        theirs = init.weights[key]
-        if theirs.shape != tensor.shape:
-            raise ConfigError(f"{where}: {key!r} has shape {list(theirs.shape)} in the "
-                              f"checkpoint, {list(tensor.shape)} in this model (another "
-                              "model or size?)")
-    unexpected = [key for key in init.weights if key not in model_state]
-    if unexpected:
-        raise ConfigError(f"{where}: the checkpoint's {unexpected[0]!r} is not in this model "
-                          "(a checkpoint of another recipe or model?)")
+    mismatch = first_mismatch(init.weights, model_state)
+    if mismatch:
+        raise ConfigError(f"--init-from {init.record['path']}: {mismatch}")
 
 
 def load_init_weights(model: nn.Module, source: str) -> InitWeights:
