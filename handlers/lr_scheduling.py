@@ -145,6 +145,21 @@ def continue_with_new_settings(
     handler.scheduler = fresh.scheduler
 
 
+def set_new_peak_lr(optimizer: Optimizer, *, old_lr: float, new_lr: float) -> None:
+    """Without a schedule, after loading a checkpoint: the param groups that followed
+    ``old_lr`` (those at the first group's LR) take ``new_lr``; a group with a peak of its
+    own (a Muon group's) keeps it, as a fresh run with only a new lr would. Nothing changes
+    when ``new_lr`` is ``old_lr`` (only the run's length changed)."""
+    check_number("old_lr", old_lr, 0, bounds="()")
+    check_number("new_lr", new_lr, 0, bounds="()")
+    if new_lr == old_lr:
+        return
+    first = optimizer.param_groups[0]["lr"]
+    for group in optimizer.param_groups:
+        if group["lr"] == first:
+            group["lr"] = new_lr
+
+
 def _plain(value: Any) -> Any:
     """Drop callables (LR lambdas, scale functions), recursively, so the state loads with
     ``torch.load(weights_only=True)``; a callable in a list becomes None to keep positions.

@@ -35,6 +35,7 @@ from engine import (
 )
 from handlers import CheckpointError, continue_with_new_settings, optimizer_steps_per_epoch
 from handlers.lr_finder import find_lr, plot_lr_find
+from handlers.lr_scheduling import set_new_peak_lr
 from handlers.spike_guard import LossSpikeError
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
 from recipes.runner.config import ConfigError, resume_overrides
@@ -339,8 +340,7 @@ def _follow_new_lr_and_length(config: RunConfig, saved: dict, trainer: Trainer,
     if (saved.get("lr"), saved.get("epochs")) == (config.lr, config.epochs):
         return
     if handlers.scheduler is None:
-        for group in trainer.optimizer.param_groups:
-            group["lr"] = config.lr
+        set_new_peak_lr(trainer.optimizer, old_lr=saved.get("lr", config.lr), new_lr=config.lr)
         return
     continue_with_new_settings(handlers.scheduler, handlers.make_scheduler,
                                old_lr=saved.get("lr", config.lr), new_lr=config.lr,

@@ -17,6 +17,7 @@ from handlers.lr_scheduling import (
     build_scheduler,
     continue_with_new_settings,
     optimizer_steps_per_epoch,
+    set_new_peak_lr,
 )
 
 LR = 0.1
@@ -448,3 +449,43 @@ def test_a_new_lr_moves_the_groups_that_had_it_and_keeps_a_group_with_its_own_pe
     assert ([group["lr"] for group in optimizer.param_groups]
             == pytest.approx([group["lr"] for group in fresh_optimizer.param_groups], rel=1e-12))
     assert optimizer.param_groups[1]["lr"] != optimizer.param_groups[0]["lr"]
+
+
+def _two_peaks() -> torch.optim.Optimizer:
+    """An SGD group at LR and a Muon-like group with a peak of its own."""
+    return torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(1))]},
+                            {"params": [nn.Parameter(torch.zeros(1))], "lr": 0.03}],
+                           lr=LR, momentum=0.9)
+
+
+def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    return [{key: value for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups]
+
+
+@pytest.mark.parametrize("name", [name for name in SCHEDULER_NAMES if name != "none"])
+def test_a_new_length_gives_every_group_exactly_what_a_fresh_run_would_have(name):
+    """Only --epochs changes: every setting of every param group (lr, initial_lr, a
+    onecycle's max_lr and min_lr) must be bit-identical to a fresh run's at that step."""
+    metric = {"metric": "loss"} if name == "plateau" else {}
+
+    def build(optimizer, epochs):
+        return build_scheduler(name, optimizer, steps_per_epoch=5, epochs=epochs, **metric)
+
+    optimizer = _two_peaks()
+    handler = build(optimizer, 4)
+    _drive(optimizer, handler, range(2))
+    continue_with_new_settings(handler, lambda: build(optimizer, 9), old_lr=LR, new_lr=LR,
+                               optimizer_steps=10, epochs_completed=2)
+
+    fresh_optimizer = _two_peaks()
+    _drive(fresh_optimizer, build(fresh_optimizer, 9), range(2))
+    assert _group_settings(optimizer) == _group_settings(fresh_optimizer)
+
+
+def test_without_a_schedule_a_new_lr_moves_only_the_groups_that_had_it():
+    optimizer = _two_peaks()
+    set_new_peak_lr(optimizer, old_lr=LR, new_lr=LR)  # only --epochs changed
+    assert [group["lr"] for group in optimizer.param_groups] == [LR, 0.03]
+    set_new_peak_lr(optimizer, old_lr=LR, new_lr=LR / 2)
+    assert [group["lr"] for group in optimizer.param_groups] == [LR / 2, 0.03]

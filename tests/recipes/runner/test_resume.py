@@ -12,7 +12,7 @@ from recipes.__main__ import main
 from tests.recipes.runner.test_run import CHARLM, digests, one_error_line, write_text
 
 CIFAR_MUON = ["cifar", "--dataset", "synthetic", "--train-subset", "128", "--val-subset", "32",
-              "--model", "resnet8", "--batch-size", "32", "--optimizer", "muon",
+              "--batch-size", "32", "--optimizer", "muon",
               "--scheduler", "none", "--lookahead", "false", "--progress", "off",
               "--device", "cpu"]
 
@@ -122,3 +122,25 @@ def test_a_save_that_torch_fails_with_a_runtime_error_exits_4_with_one_line(
     monkeypatch.undo()
     assert read_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["meta"]["iteration"] \
         == last
+
+
+# --- a new run length keeps every param group's own LR ------------------------------------
+
+
+def test_a_longer_muon_run_resumed_ends_bit_identical_to_a_straight_one(tmp_path, capsys):
+    """Under --scheduler none only the SGD groups follow --lr: a resume with a new --epochs
+    must leave the Muon group at its own peak (--muon-lr), as the straight run has it."""
+    straight = [*CIFAR_MUON, "--run-dir", str(tmp_path / "straight")]
+    resumed = [*CIFAR_MUON, "--run-dir", str(tmp_path / "resumed")]
+    assert main([*straight, "--epochs", "2"]) == 0
+    assert main([*resumed, "--epochs", "1"]) == 0
+    capsys.readouterr()
+    assert main([*resumed, "--epochs", "2"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+    state = read_checkpoint(tmp_path / "resumed" / "checkpoints" / "last.pt")
+    groups = {group["name"]: group["lr"] for group in state["optimizer"]["param_groups"]}
+    assert groups["muon"] == 0.04, groups
+    expected = final_weights(tmp_path / "straight")
+    for name, tensor in final_weights(tmp_path / "resumed").items():
+        assert torch.equal(tensor, expected[name]), name
