@@ -45,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("ignite.engine.engine").setLevel(logging.CRITICAL)
     try:
         recipe = load_recipe(name)
+        if rest and not rest[0].startswith("-"):  # a command: evaluate, predict, generate
+            from recipes.runner.commands import run_command
+            return run_command(recipe, rest[0], rest[1:])
         if "-h" in rest or "--help" in rest:
             print(help_text(recipe.config, f"python -m recipes {name}", recipe.summary,
                             recipe.name))

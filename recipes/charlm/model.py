@@ -82,12 +82,16 @@ class GPT(nn.Module):
 
     @torch.inference_mode()
     def generate(self, prompt: torch.Tensor, new_tokens: int, generator: torch.Generator,
-                 temperature: float = 0.8) -> torch.Tensor:
+                 temperature: float = 0.8, top_k: int | None = None) -> torch.Tensor:
         """``prompt`` [1, time] followed by ``new_tokens`` sampled ones, drawn from
-        ``generator`` only (the global RNG is left as it was)."""
+        ``generator`` only (the global RNG is left as it was); with ``top_k``, from the
+        ``top_k`` likeliest tokens only (nanoGPT's ``sample.py``)."""
         idx = prompt
         for _ in range(new_tokens):
             logits = self(idx[:, -self.block_size:])[:, -1].float() / temperature
+            if top_k is not None:
+                kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, -float("inf"))
             token = torch.multinomial(logits.softmax(-1).cpu(), 1, generator=generator)
             idx = torch.cat([idx, token.to(idx.device)], dim=1)
         return idx

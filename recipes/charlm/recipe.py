@@ -19,6 +19,7 @@ from ignite.metrics import Loss, MetricsLambda
 from torch.nn import functional as F
 from torch.utils.tensorboard import SummaryWriter
 
+from recipes.charlm.commands import COMMANDS
 from recipes.charlm.model import GPT
 from recipes.charlm.text import STDLIB, read_text
 from recipes.common.data_order import IndexBatches, OrderedBatches
@@ -141,4 +142,5 @@ def build(config: Config, corpus: Corpus, ctx: Context) -> Parts:
 RECIPE = Recipe(
     name="charlm", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
     build=build, metrics={"loss": "min", "perplexity": "min"}, best="loss",
-    sample_counts=lambda corpus: corpus.windows, fingerprint=lambda corpus: {"text": corpus.facts})
+    sample_counts=lambda corpus: corpus.windows, fingerprint=lambda corpus: {"text": corpus.facts},
+    commands=COMMANDS)

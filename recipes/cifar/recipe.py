@@ -16,6 +16,7 @@ from ignite.metrics import Accuracy, Loss
 
 from handlers import Lookahead
 from recipes.cifar.batches import FLIPS, EvalBatches, TrainBatches
+from recipes.cifar.commands import COMMANDS, EVAL_SPLITS
 from recipes.cifar.data import CifarArrays, holdout_validation, load_cifar10, make_synthetic, subset
 from recipes.cifar.model import MODELS, TTA_PREDICTS, TTAPredict, build_model
 from recipes.common.optimizers import OptimizerChoice, build_optimizer
@@ -146,4 +147,5 @@ RECIPE = Recipe(
     name="cifar", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
     build=build, metrics={"accuracy": "max", "loss": "min"}, best="accuracy",
     sample_counts=lambda arrays: (len(arrays.train_labels), len(arrays.test_labels)),
+    commands=COMMANDS, eval_splits=EVAL_SPLITS,
     fingerprint=fingerprint)

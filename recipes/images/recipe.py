@@ -22,6 +22,7 @@ from torch import nn
 
 from recipes.common.optimizers import OptimizerChoice, build_optimizer
 from recipes.common.paths import data_dir_candidates, default_data_dir
+from recipes.images.commands import COMMANDS, EVAL_SPLITS
 from recipes.images.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -192,4 +193,5 @@ RECIPE = Recipe(
     name="images", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
     build=build, metrics={"accuracy": "max", "loss": "min"}, best="accuracy",
     sample_counts=lambda data: (len(data.folders.train), len(data.folders.val)),
+    commands=COMMANDS, eval_splits=EVAL_SPLITS,
     fingerprint=fingerprint)

@@ -21,7 +21,7 @@ calls it).
 """
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,12 @@ class Recipe:
     best: str
     sample_counts: Callable[[Any], tuple[int, int]]  # data -> (training, validation) samples
     fingerprint: Callable[[Any], dict[str, dict[str, str | int]]]
+    # Commands besides training and evaluate (recipes.runner.commands), by name:
+    # command(recipe, args) -> exit code, e.g. predict, generate.
+    commands: Mapping[str, Callable[["Recipe", list[str]], int]] = field(default_factory=dict)
+    # The splits besides validation that ``evaluate --split`` can name: each maps the data to
+    # the same data with that split in the validation split's place.
+    eval_splits: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, mode in self.metrics.items():

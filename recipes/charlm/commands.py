@@ -1,0 +1,55 @@
+"""charlm's command besides training and ``evaluate``: ``generate``, text from a trained model
+(nanoGPT's ``sample.py``: a prompt, samples of new bytes, temperature, top-k, a seed)."""
+
+import torch
+
+from recipes.runner.api import Recipe
+from recipes.runner.commands import CommandParser, positive_int
+from recipes.runner.config import ConfigError
+from recipes.runner.trained import load_trained
+
+VOCABULARY = 256  # bytes
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(text)
+    return value
+
+
+def generate(recipe: Recipe, args: list[str]) -> int:
+    """Print ``--num-samples`` continuations of ``--prompt``; the same seed gives the same
+    text. Bytes that are not UTF-8 print as U+FFFD."""
+    parser = CommandParser(recipe, "generate", "Text from a trained charlm model: the prompt "
+                           "and its continuation, one sample after another.")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-bytes", type=positive_int, default=200,
+                        help="bytes generated per sample (default 200)")
+    parser.add_argument("--temperature", type=positive_float, default=0.8,
+                        help="softmax temperature, > 0 (default 0.8; lower: more likely bytes)")
+    parser.add_argument("--top-k", type=positive_int, default=None,
+                        help=f"sample from the K likeliest bytes only (default: all "
+                        f"{VOCABULARY})")
+    parser.add_argument("--num-samples", type=positive_int, default=1,
+                        help="how many samples (default 1)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the sampling (default: the run's --seed)")
+    options = parser.parse_args(args)
+    prompt = options.prompt.encode("utf-8")
+    if not prompt:
+        raise ConfigError("generate: --prompt must not be empty")
+    trained = load_trained(recipe, options.source, options.checkpoint, options.device)
+    seed = trained.config.seed if options.seed is None else options.seed
+    generator = torch.Generator().manual_seed(seed)  # one stream for all the samples
+    start = torch.tensor([list(prompt)], device=trained.device)
+    for index in range(options.num_samples):
+        if index:
+            print("-" * 40)
+        tokens = trained.parts.model.generate(start, options.max_new_bytes, generator,
+                                              options.temperature, options.top_k)
+        print(bytes(tokens[0].tolist()).decode("utf-8", errors="replace"))
+    return 0
+
+
+COMMANDS = {"generate": generate}

@@ -1,0 +1,33 @@
+"""CIFAR's commands besides training and ``evaluate``: ``predict``, and the training split
+for ``evaluate --split training``."""
+
+import dataclasses
+
+import torch
+from torchvision.transforms import v2
+
+from recipes.cifar.batches import EvalBatches
+from recipes.cifar.data import IMAGE_SHAPE, CifarArrays
+from recipes.common.predict import predict_command
+from recipes.runner.trained import Trained
+
+
+def image_batch(trained: Trained, images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [3,H,W] images -> one normalised batch, as ``EvalBatches`` makes them; an image
+    of another size than CIFAR's 32 px is resized (shorter side) and centre-cropped first."""
+    side = IMAGE_SHAPE[-1]
+    fit = v2.Compose([v2.Resize(side, antialias=True), v2.CenterCrop(side)])
+    stacked = torch.stack([image if tuple(image.shape) == IMAGE_SHAPE else fit(image)
+                           for image in images])
+    batches = EvalBatches(stacked, torch.zeros(len(images), dtype=torch.int64), len(images),
+                          device=trained.device, channels_last=trained.config.channels_last)
+    return next(iter(batches))
+
+
+def training_split(arrays: CifarArrays) -> CifarArrays:
+    return dataclasses.replace(arrays, test_images=arrays.train_images,
+                               test_labels=arrays.train_labels)
+
+
+COMMANDS = {"predict": predict_command(image_batch, lambda arrays: arrays.classes)}
+EVAL_SPLITS = {"training": training_split}

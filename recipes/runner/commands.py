@@ -1,0 +1,125 @@
+"""Commands next to training: ``python -m recipes <recipe> <command> <run or checkpoint> ...``.
+
+Every recipe has ``evaluate``; a recipe adds its own in ``Recipe.commands`` (cifar and
+images: ``predict``, charlm: ``generate``). Each loads the trained model through
+``recipes.runner.trained.load_trained`` and writes nothing in the run folder except
+``evaluate``'s JSON in ``<run>/evaluations/``.
+"""
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from engine import create_evaluator
+from recipes.runner.api import Recipe
+from recipes.runner.config import ConfigError
+from recipes.runner.folder import write_json_atomic
+from recipes.runner.trained import CHECKPOINTS, Trained, load_trained
+
+VALIDATION = "validation"
+
+
+def commands_of(recipe: Recipe) -> dict[str, Callable[[Recipe, list[str]], int]]:
+    return {"evaluate": evaluate, **recipe.commands}
+
+
+def run_command(recipe: Recipe, name: str, args: list[str]) -> int:
+    """Run the command ``name`` of ``recipe`` with the rest of the command line."""
+    commands = commands_of(recipe)
+    if name not in commands:
+        raise ConfigError(f"unknown command {name!r} for {recipe.name}; commands: "
+                          f"{', '.join(commands)} (training takes --key value flags only)")
+    return commands[name](recipe, args)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's arguments: the run or checkpoint, ``--checkpoint`` and ``--device``, and
+    the command's own; a mistake raises ``ConfigError`` (one line, exit 2)."""
+
+    def __init__(self, recipe: Recipe, command: str, description: str) -> None:
+        super().__init__(prog=f"python -m recipes {recipe.name} {command}",
+                         description=description)
+        self.command = command
+        self.add_argument("source", metavar="RUN_OR_CHECKPOINT",
+                          help="a run folder (runs/<recipe>/<name>) or a checkpoint .pt file")
+        self.add_argument("--checkpoint", choices=CHECKPOINTS, default="best",
+                          help="which checkpoint of a run folder (default: best)")
+        self.add_argument("--device", default=None,
+                          help="cpu | cuda | cuda:N | auto (default: the run's own)")
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.command}: {message}")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def evaluate(recipe: Recipe, args: list[str]) -> int:
+    """The recipe's metrics for a checkpoint on a split, with the evaluation that scored it
+    (its test-time augmentation included): printed and written to
+    ``<run>/evaluations/<checkpoint>-<split>.json``."""
+    parser = CommandParser(recipe, "evaluate", evaluate.__doc__)
+    parser.add_argument("--split", choices=(VALIDATION, *recipe.eval_splits), default=VALIDATION,
+                        help="the data to evaluate on (default: the run's validation split)")
+    options = parser.parse_args(args)
+    trained = load_trained(recipe, options.source, options.checkpoint, options.device,
+                           split=options.split)
+    started = time.perf_counter()
+    metrics = run_evaluation(trained)
+    seconds = time.perf_counter() - started
+    # The run recorded its metrics on the validation split only.
+    meta, recorded = trained.meta, trained.recorded if options.split == VALIDATION else {}
+    samples = recipe.sample_counts(trained.data)[1]
+    evaluation = evaluation_name(trained)
+    print(f"{recipe.name} {trained.checkpoint} (epoch {meta['epoch']}, step "
+          f"{meta['optimizer_step']}) on the {options.split} split: {samples} samples, "
+          f"{evaluation}, {trained.device}, {seconds:.1f} s")
+    print(f"{'metric':<12} {'value':>10} {'recorded':>10}")
+    for name, value in metrics.items():
+        was = recorded.get(name)
+        print(f"{name:<12} {value:>10.4f} {'' if was is None else f'{was:.4f}':>10}")
+    out = trained.run_dir / "evaluations" / f"{trained.checkpoint.stem}-{options.split}.json"
+    out.parent.mkdir(exist_ok=True)
+    write_json_atomic(out, {
+        "recipe": recipe.name, "checkpoint": str(trained.checkpoint), "split": options.split,
+        "samples": samples, "evaluation": evaluation, "device": str(trained.device),
+        "epoch": meta["epoch"], "iteration": meta["iteration"],
+        "optimizer_step": meta["optimizer_step"], "metrics": metrics,
+        "recorded": recorded or None, "seconds": round(seconds, 3)})
+    print(f"wrote {out}")
+    return 0
+
+
+def run_evaluation(trained: Trained) -> dict[str, float]:
+    """The recipe's metrics over ``trained``'s validation batches, as the run's evaluator
+    computes them (its ``predict`` and ``prepare_batch`` hooks, precision and device)."""
+    parts = trained.parts
+    evaluator = create_evaluator(parts.model, parts.metrics, device=trained.device,
+                                 precision=trained.config.precision, predict=parts.predict,
+                                 prepare_batch=parts.prepare_batch)
+    state = evaluator.run(parts.val_batches)
+    return {name: float(state.metrics[name]) for name in trained.recipe.metrics}
+
+
+def evaluation_name(trained: Trained) -> str:
+    """Which of the run's evaluations this is: the final one (after the last epoch, e.g. with
+    ``--final-tta``) or a per-epoch one, as for the checkpoint's epoch."""
+    tta = getattr(trained.parts.predict, "name", None)
+    which = "the final evaluation" if trained.final_evaluation else "the per-epoch evaluation"
+    return which + (f" (test-time augmentation: {tta})" if tta else "")
+
+
+def output_path(text: str, suffixes: tuple[str, ...]) -> Path:
+    """``--out``: a file ending in one of ``suffixes`` whose folder exists."""
+    path = Path(text).expanduser()
+    if path.suffix.lower() not in suffixes:
+        raise ConfigError(f"--out {text}: must end in {' or '.join(suffixes)}")
+    if not path.parent.is_dir():
+        raise ConfigError(f"--out {text}: the folder {path.parent} does not exist")
+    return path

@@ -1,0 +1,281 @@
+"""``python -m recipes <recipe> evaluate|predict|generate`` end to end on tiny runs of every
+recipe: evaluate reproduces the recorded metrics exactly (same device, same code: equal
+floats, not a tolerance), predict gives the evaluator's probabilities for the same images,
+generate repeats itself per seed, and every bad run or checkpoint is one line and exit 2
+with the run folder untouched (but for evaluate's JSON).
+
+The runs and the commands call ``recipes.__main__.main`` in this process (no interpreter
+start-up); ``test_cli.py`` covers the real process's exit status and stderr.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from ignite.engine import Events
+from PIL import Image
+
+from engine import create_evaluator
+from recipes.__main__ import main
+from recipes.runner.registry import load_recipe
+from recipes.runner.trained import load_trained
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+
+CIFAR = ["cifar", "--dataset", "synthetic", "--train-subset", "128", "--val-subset", "32",
+         "--batch-size", "32", "--epochs", "2", "--warmup-epochs", "0.5", "--progress", "off"]
+IMAGES = ["images", "--model", "squeezenet1_1", "--num-workers", "0", "--batch-size", "8",
+          "--epochs", "2", "--lr", "0.02", "--warmup-epochs", "0.5", "--progress", "off"]
+CHARLM = ["charlm", "--val-fraction", "0.2", "--block-size", "8", "--n-layer", "1",
+          "--n-head", "2", "--n-embd", "16", "--batch-size", "16", "--epochs", "2",
+          "--progress", "off", "--device", "cpu"]
+
+
+def train(args: list[str], run_dir: Path) -> Path:
+    assert main([*args, "--run-dir", str(run_dir)]) == 0
+    return run_dir
+
+
+def digests(folder: Path) -> dict[str, bytes]:
+    """Every file of a run folder but evaluate's JSON (and TensorBoard's, unchanged anyway)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and "evaluations" not in p.parts}
+
+
+def one_error_line(code: int, err: str, *fragments: str) -> str:
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def recorded(run_dir: Path) -> dict[str, float]:
+    """The run's best metrics as it recorded them in summary.json."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {key.removeprefix("best_val_"): value for key, value in summary.items()
+            if key.startswith("best_val_")}
+
+
+def evaluated(run_dir: Path, name: str = "best-validation") -> dict:
+    return json.loads((run_dir / "evaluations" / f"{name}.json").read_text())
+
+
+def evaluator_probabilities(recipe: str, run_dir: Path) -> torch.Tensor:
+    """Softmax of the evaluator's outputs over the validation batches, in their order."""
+    trained = load_trained(load_recipe(recipe), str(run_dir))
+    parts = trained.parts
+    evaluator = create_evaluator(parts.model, {}, device=trained.device,
+                                 precision=trained.config.precision, predict=parts.predict,
+                                 prepare_batch=parts.prepare_batch)
+    outputs: list[torch.Tensor] = []
+    evaluator.add_event_handler(Events.ITERATION_COMPLETED, lambda engine: outputs.append(
+        engine.state.output[0].float().softmax(-1)))
+    evaluator.run(parts.val_batches)
+    return torch.cat(outputs)
+
+
+@pytest.fixture(scope="module")
+def cifar_run(tmp_path_factory) -> Path:
+    return train(CIFAR, tmp_path_factory.mktemp("cifar") / "run")
+
+
+@pytest.fixture(scope="module")
+def image_tree(tmp_path_factory, make_image_tree_once) -> Path:
+    return make_image_tree_once(tmp_path_factory.mktemp("tree"), {"train": 8, "val": 2})
+
+
+@pytest.fixture(scope="module")
+def images_run(tmp_path_factory, image_tree) -> Path:
+    return train([*IMAGES, "--data-dir", str(image_tree)],
+                 tmp_path_factory.mktemp("images") / "run")
+
+
+@pytest.fixture(scope="module")
+def charlm_run(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("charlm")
+    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if"]
+    picks = torch.randint(len(words), (800,), generator=torch.Generator().manual_seed(0))
+    (folder / "text.txt").write_text(" ".join(words[i] for i in picks.tolist()))
+    return train([*CHARLM, "--text", str(folder / "text.txt")], folder / "run")
+
+
+# --- evaluate --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("run", ["cifar_run", "images_run", "charlm_run"])
+def test_evaluate_best_reproduces_the_recorded_best_exactly(run, request, capsys):
+    run_dir = request.getfixturevalue(run)
+    recipe = run.removesuffix("_run")
+    before = digests(run_dir)
+    assert main([recipe, "evaluate", str(run_dir)]) == 0
+    result = evaluated(run_dir)
+    best = load_recipe(recipe).best
+    assert result["metrics"][best] == recorded(run_dir)[best]
+    assert result["recorded"] == result["metrics"]  # every metric, at the best's step
+    assert result["split"] == "validation" and result["checkpoint"].endswith("best.pt")
+    out = capsys.readouterr().out
+    assert best in out and "wrote" in out
+    assert digests(run_dir) == before  # nothing else in the run folder changed
+
+
+def test_evaluate_uses_the_tta_of_the_evaluation_that_scored_the_checkpoint(cifar_run):
+    """The last checkpoint, after the final epoch, was scored with --final-tta
+    (mirror_translate), unlike the per-epoch ones (mirror)."""
+    assert main(["cifar", "evaluate", str(cifar_run), "--checkpoint", "last"]) == 0
+    result = evaluated(cifar_run, "last-validation")
+    assert "mirror_translate" in result["evaluation"]
+    summary = json.loads((cifar_run / "summary.json").read_text())
+    assert result["metrics"]["accuracy"] == summary["final_val_accuracy"]
+    assert result["metrics"]["loss"] == summary["final_val_loss"]
+
+
+def test_evaluate_with_ema_scores_the_averaged_weights(tmp_path):
+    run_dir = train([*CIFAR, "--averaging", "ema", "--ema-decay", "0.5", "--lookahead", "false",
+                     "--tta", "none", "--final-tta", "none"], tmp_path / "ema")
+    payload = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    assert payload["averaging"]["num_updates"] > 0
+    assert main(["cifar", "evaluate", str(run_dir)]) == 0
+    result = evaluated(run_dir)
+    assert result["metrics"]["accuracy"] == recorded(run_dir)["accuracy"]
+    assert result["metrics"] == result["recorded"]
+
+
+def test_evaluate_on_the_training_split_names_it_and_records_nothing_to_compare(cifar_run,
+                                                                               capsys):
+    assert main(["cifar", "evaluate", str(cifar_run / "checkpoints" / "best.pt"),
+                 "--split", "training"]) == 0
+    result = evaluated(cifar_run, "best-training")
+    assert result["samples"] == 128 and result["recorded"] is None
+    code = main(["charlm", "evaluate", "x", "--split", "training"])
+    one_error_line(code, capsys.readouterr().err, "--split", "invalid choice")
+
+
+# --- predict ---------------------------------------------------------------------------------
+
+
+def test_cifar_predict_gives_the_evaluators_probabilities_for_the_same_images(cifar_run,
+                                                                             tmp_path):
+    """The validation images written as PNG (lossless) and predicted from their files get the
+    probabilities the evaluator computes for them: decoded and normalised as in training."""
+    trained = load_trained(load_recipe("cifar"), str(cifar_run))
+    images = trained.data.test_images[:5]
+    for index, image in enumerate(images):
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(tmp_path / f"{index}.png")
+    out = tmp_path / "predictions.json"
+    assert main(["cifar", "predict", str(cifar_run), str(tmp_path), "--top-k", "10",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["predictions"]
+    reference = evaluator_probabilities("cifar", cifar_run)[:5]
+    classes = trained.data.classes
+    for row, expected in zip(rows, reference, strict=True):
+        got = torch.tensor([next(p["probability"] for p in row["top"] if p["class"] == name)
+                            for name in classes])
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_images_predict_on_png_and_jpeg_files_skips_a_non_image(images_run, image_tree,
+                                                                tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not an image")
+    (tmp_path / "fake.jpg").write_text("not an image either")
+    val = sorted((image_tree / "val").rglob("*.*"))
+    assert {path.suffix for path in val} == {".png", ".jpg"}
+    out = tmp_path / "predictions.csv"
+    code = main(["images", "predict", str(images_run), str(image_tree / "val"),
+                 str(tmp_path / "notes.txt"), str(tmp_path / "fake.jpg"), "--out", str(out)])
+    assert code == 0
+    captured = capsys.readouterr()
+    skipped = captured.err.strip().splitlines()
+    assert len(skipped) == 2 and "notes.txt" in skipped[0] and "fake.jpg" in skipped[1]
+    lines = out.read_text().splitlines()
+    assert lines[0] == "path,rank,class,probability" and len(lines) == 1 + 3 * len(val)
+    reference = evaluator_probabilities("images", images_run)  # val/ in file order
+    top = reference.max(-1)
+    for index, path in enumerate(val):
+        first = lines[1 + 3 * index].split(",")
+        assert first[0] == str(path) and first[1] == "1"
+        assert abs(float(first[3]) - float(top.values[index])) < 1e-5
+        assert first[2] == ("cat", "dog", "eel")[int(top.indices[index])]
+
+
+def test_predict_without_any_image_is_exit_2(cifar_run, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not an image")
+    code = main(["cifar", "predict", str(cifar_run), str(tmp_path / "notes.txt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: no image") and len(err) == 2
+    code = main(["cifar", "predict", str(cifar_run), str(tmp_path / "missing")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "missing: no such file or folder" in err[0] and len(err) == 2
+    code = main(["cifar", "predict", str(cifar_run), str(tmp_path), "--out", "x.txt"])
+    one_error_line(code, capsys.readouterr().err, "--out x.txt", ".csv or .json")
+
+
+# --- generate --------------------------------------------------------------------------------
+
+
+def test_generate_is_the_same_text_for_the_same_seed(charlm_run, capsys):
+    def generate(*extra: str) -> str:
+        assert main(["charlm", "generate", str(charlm_run), "--prompt", "def ",
+                     "--max-new-bytes", "40", "--num-samples", "2", *extra]) == 0
+        return capsys.readouterr().out
+
+    first, again, other = generate("--seed", "3"), generate("--seed", "3"), generate("--seed", "4")
+    assert first == again and first != other
+    samples = first.split("-" * 40 + "\n")
+    assert len(samples) == 2 and all(sample.startswith("def ") for sample in samples)
+    assert generate("--seed", "3", "--top-k", "1") == generate("--seed", "9", "--top-k", "1")
+
+
+def test_generate_refuses_bad_arguments_in_one_line(charlm_run, capsys):
+    for args, fragment in ((["--prompt", ""], "--prompt must not be empty"),
+                           (["--prompt", "x", "--temperature", "0"], "--temperature"),
+                           ([], "--prompt")):
+        code = main(["charlm", "generate", str(charlm_run), *args])
+        one_error_line(code, capsys.readouterr().err, fragment)
+
+
+# --- what every command refuses --------------------------------------------------------------
+
+
+def copy_run(run_dir: Path, to: Path, keep=lambda name: True) -> Path:
+    (to / "checkpoints").mkdir(parents=True)
+    for path in (run_dir / "checkpoints").iterdir():
+        if keep(path.name):
+            shutil.copy(path, to / "checkpoints" / path.name)
+    return to
+
+
+@pytest.mark.parametrize("command", [["evaluate"], ["predict", "x.png"]])
+def test_bad_runs_and_checkpoints_are_one_line_and_exit_2(command, cifar_run, charlm_run,
+                                                          tmp_path, capsys):
+    best = cifar_run / "checkpoints" / "best.pt"
+    bad = copy_run(cifar_run, tmp_path / "bad")
+    corrupt, truncated = bad / "checkpoints" / "best.pt", bad / "checkpoints" / "last.pt"
+    data = bytearray(corrupt.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    corrupt.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+    no_best = copy_run(cifar_run, tmp_path / "no_best", keep=lambda name: "best" not in name)
+    (tmp_path / "empty").mkdir()
+    Image.new("RGB", (32, 32)).save(tmp_path / "x.png")
+    cases = [
+        ("cifar", str(tmp_path / "nowhere"), "no such run folder or checkpoint file"),
+        ("cifar", str(tmp_path / "empty"), "not a run folder"),
+        ("images", str(best), "not a checkpoint of the images recipe"),
+        ("cifar", str(charlm_run), "not a checkpoint of the cifar recipe"),
+        ("cifar", str(corrupt), "checksum mismatch"),
+        ("cifar", str(truncated), "truncated"),
+        ("cifar", str(no_best), "best.pt: no such checkpoint"),
+    ]
+    before = digests(cifar_run)
+    for recipe, source, fragment in cases:
+        code = main([recipe, command[0], source, *[str(tmp_path / a) for a in command[1:]]])
+        one_error_line(code, capsys.readouterr().err, fragment)
+    assert digests(cifar_run) == before
+
+
+def test_an_unknown_command_names_the_recipes_commands(capsys):
+    code = main(["charlm", "predict", "x"])
+    one_error_line(code, capsys.readouterr().err, "unknown command 'predict'", "generate")
