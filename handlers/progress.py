@@ -1,7 +1,11 @@
-"""Progress display: a tqdm bar on a terminal, plain log lines elsewhere."""
+"""Progress display: a tqdm bar on a terminal, plain log lines elsewhere; a line per
+evaluation; the time left to the run's end, evaluations included."""
 
+import math
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TextIO
 
 from ignite.engine import Engine, Events
@@ -9,26 +13,66 @@ from tqdm import tqdm
 
 from engine import Trainer
 from handlers.arguments import check_choice
+from handlers.goal import Goal, is_better
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
+from handlers.history import RunHistory
+from handlers.time_left import EvaluationSchedule, TimeLeft
 
 PROGRESS_MODES = ("auto", "bar", "plain", "off")
+EVAL_QUIET_SEC = 3.0  # an evaluation shorter than this shows no progress of its own
+EVAL_LINE_EVERY_SEC = 10.0  # plain mode: a progress line of a long evaluation this often
+DIVERGED_RATIO = 3.0  # a validation loss this many times its first value: a warning
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]"
+
+
+@dataclass(frozen=True)
+class Evaluations:
+    """What the evaluation lines need: the run's history (every evaluation's metrics,
+    resumes included), the metric that ranks the best, the optimizer steps per epoch (to
+    name a best's epoch) and the evaluation schedule (for the time left)."""
+
+    history: RunHistory
+    best: Goal
+    steps_per_epoch: int
+    schedule: EvaluationSchedule
+
+
+def best_so_far(history: RunHistory, goal: Goal, steps_per_epoch: int
+                ) -> tuple[float, int] | None:
+    """The best value of ``goal``'s metric among the run's evaluations and its epoch."""
+    best, step = None, 0
+    for value, at_step in zip(history.val.get(goal.metric, []), history.val["step"],
+                              strict=True):
+        if is_better(value, best, goal.mode):
+            best, step = value, at_step
+    return None if best is None else (best, math.ceil(step / steps_per_epoch))
 
 
 class Progress:
-    """Loss, learning rate, gradient norm and time left, refreshed at each telemetry report.
+    """Loss, learning rate, gradient norm and time left, refreshed at each telemetry report;
+    with ``evaluations``, a line per evaluation and the progress of a long one.
 
     ``attach(trainer, evaluator=None)`` listens to the trainer's ``Events.STARTED`` and
-    (for the bar) ``EPOCH_STARTED``, ``ITERATION_COMPLETED`` and ``COMPLETED``, and takes
-    its numbers from ``telemetry``'s reports (already on the host: no sync of its own);
-    evaluations are not shown. ``mode="auto"`` draws a bar
-    when the output stream (stderr by default) is a terminal and prints plain lines
-    otherwise (log files, CI), e.g.
+    (for the bar) ``EPOCH_STARTED``, ``ITERATION_COMPLETED`` and ``COMPLETED``, to the
+    evaluator's ``STARTED``, ``ITERATION_COMPLETED`` and ``COMPLETED`` when both it and
+    ``evaluations`` are given, and takes its training numbers from ``telemetry``'s reports
+    (already on the host: no sync of its own). ``mode="auto"`` draws a bar when the output
+    stream (stderr by default) is a terminal and prints plain lines otherwise (log files,
+    CI), e.g.
     ``epoch 2/10 step 340 it 68/98 loss 1.234 lr 0.04 grad_norm 0.83 eta 4m12s``;
-    ``"bar"``, ``"plain"`` and ``"off"`` force a mode. Plain lines go to stdout
-    unless ``stream`` is given.
+    ``"bar"``, ``"plain"`` and ``"off"`` force a mode. Plain lines and evaluation lines go
+    to stdout unless ``stream`` is given. The time left (``TimeLeft``) counts the
+    evaluations still to come once one has been measured (``eta 4m12s+eval`` before).
 
-    The bar is one tqdm bar for the whole run, so its ``<remaining`` is the time left
-    to the run's end. It drives tqdm directly rather than through Ignite's
+    An evaluation line, e.g.
+    ``eval epoch 2/10 accuracy 0.8123 loss 0.6521 | best accuracy 0.8123 (epoch 2) |
+    elapsed 1m02s eta 4m12s``, holds the recipe's metrics, the best so far and the times;
+    an evaluation that takes longer than ``EVAL_QUIET_SEC`` shows its own progress (a
+    second bar, or a line every ``EVAL_LINE_EVERY_SEC``). A validation loss that rises
+    above ``DIVERGED_RATIO`` times its first value gets one warning line.
+
+    The bar is one tqdm bar for the whole run; its ``eta`` is the same estimate as the
+    plain lines'. It drives tqdm directly rather than through Ignite's
     ``ProgressBar``, which calls tqdm's ``set_description`` and ``set_postfix`` with
     ``refresh=True`` at every event, redrawing the bar each iteration past tqdm's
     ``mininterval`` throttle (about 130 us per iteration here, ten times the bare
@@ -44,14 +88,20 @@ class Progress:
     """
 
     def __init__(self, mode: str = "auto", stream: TextIO | None = None, *,
-                 telemetry: GradientTelemetry) -> None:
+                 telemetry: GradientTelemetry, evaluations: Evaluations | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         check_choice("mode", mode, PROGRESS_MODES)
         if mode == "auto":
             mode = "bar" if (stream or sys.stderr).isatty() else "plain"
         self.mode, self.stream, self.telemetry = mode, stream, telemetry
+        self.evaluations = evaluations
+        self.time_left = TimeLeft(evaluations.schedule if evaluations else None, clock)
         self._trainer: Trainer | None = None
         self._bar: tqdm | None = None
-        self._start_time, self._start_iteration = 0.0, 0
+        self._eval_bar: tqdm | None = None
+        self._eval_next_line = 0.0
+        self._evaluated_epoch = 0  # the epoch of the last evaluation this process ran
+        self._warned_divergence = False
 
     def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
         if self.mode == "off":
@@ -63,13 +113,16 @@ class Progress:
             trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
             trainer.add_event_handler(Events.ITERATION_COMPLETED, self._on_iteration)
             trainer.add_event_handler(Events.COMPLETED, self._on_completed)
+        if evaluator is not None and self.evaluations is not None:
+            evaluator.add_event_handler(Events.STARTED, self._on_evaluation_started)
+            evaluator.add_event_handler(Events.ITERATION_COMPLETED, self._on_evaluation_step)
+            evaluator.add_event_handler(Events.COMPLETED, self._on_evaluation_completed)
 
     def _on_started(self, trainer: Engine) -> None:
-        self._start_time, self._start_iteration = time.perf_counter(), trainer.state.iteration
+        self.time_left.start(trainer.state.iteration)
         if self.mode == "bar":
-            self._bar = tqdm(
-                total=_total_iterations(trainer), initial=trainer.state.iteration, file=self.stream
-            )
+            self._bar = tqdm(total=_total_iterations(trainer), initial=trainer.state.iteration,
+                             file=self.stream, bar_format=BAR_FORMAT)
 
     def _on_epoch_started(self, trainer: Engine) -> None:
         self._bar.set_description(f"epoch {trainer.state.epoch}/{trainer.state.max_epochs}", False)
@@ -84,27 +137,92 @@ class Progress:
         stats = report.stats
         values = f"loss {stats['loss_mean']:.4g} lr {stats['lr']:.4g} "
         values += f"grad_norm {stats['grad_norm_mean']:.3g}"
-        if self.mode == "bar":
-            self._bar.set_postfix_str(values, refresh=False)
-            return
         state = self._trainer.state
+        # A report may come after its epoch's evaluation (the last one's, at the end).
+        eta = f"eta {self._eta(max(state.epoch, self._evaluated_epoch + 1))}"
+        if self.mode == "bar":
+            self._bar.set_postfix_str(f"{values}, {eta}", refresh=False)
+            return
         iteration = f"{state.iteration}"
         if state.epoch_length is not None:
             iteration = f"{(state.iteration - 1) % state.epoch_length + 1}/{state.epoch_length}"
-        print(
-            f"epoch {state.epoch}/{state.max_epochs} step {report.step} it {iteration} "
-            f"{values} eta {self._time_left()}",
-            file=self.stream or sys.stdout,
-            flush=True,
-        )
+        self._print(f"epoch {state.epoch}/{state.max_epochs} step {report.step} it {iteration} "
+                    f"{values} {eta}")
 
-    def _time_left(self) -> str:
+    def _eta(self, next_evaluated_epoch: int) -> str:
+        """The time left; ``next_evaluated_epoch``: the first epoch whose evaluation is
+        still to come."""
         state = self._trainer.state
-        total, done = _total_iterations(self._trainer), state.iteration - self._start_iteration
-        if total is None or done == 0:
+        total = _total_iterations(self._trainer)
+        if total is None:
             return "?"
-        seconds_per_iteration = (time.perf_counter() - self._start_time) / done
-        return format_duration(seconds_per_iteration * (total - state.iteration))
+        seconds = self.time_left.seconds(state.iteration, total, next_evaluated_epoch,
+                                         state.max_epochs)
+        if seconds is None:
+            return "?"
+        unknown = self.time_left.evaluations_unknown(next_evaluated_epoch, state.max_epochs)
+        return format_duration(seconds) + ("+eval" if unknown else "")
+
+    def _on_evaluation_started(self, evaluator: Engine) -> None:
+        self.time_left.evaluation_started()
+        self._eval_next_line = self.time_left.clock() + EVAL_QUIET_SEC
+        if self.mode == "bar":
+            self._eval_bar = tqdm(total=evaluator.state.epoch_length, desc="evaluating",
+                                  delay=EVAL_QUIET_SEC, leave=False, file=self.stream)
+
+    def _on_evaluation_step(self, evaluator: Engine) -> None:
+        if self._eval_bar is not None:
+            self._eval_bar.update(1)
+            return
+        now = self.time_left.clock()
+        done, total = evaluator.state.iteration, evaluator.state.epoch_length
+        if now < self._eval_next_line or done == total:  # the evaluation line comes next
+            return
+        self._eval_next_line = now + EVAL_LINE_EVERY_SEC
+        line = f"evaluating {done}/{total or '?'}"
+        if total:
+            seconds = self.time_left.evaluation_elapsed() / done * (total - done)
+            line += f" eta {format_duration(seconds)}"
+        self._print(line)
+
+    def _on_evaluation_completed(self, evaluator: Engine) -> None:
+        if self._eval_bar is not None:
+            self._eval_bar.close()
+            self._eval_bar = None
+        state = self._trainer.state
+        self.time_left.evaluation_completed(final=state.epoch == state.max_epochs)
+        self._evaluated_epoch = state.epoch
+        metrics = evaluator.state.metrics
+        shown = " ".join(f"{name} {_number(metrics[name])}"
+                         for name in self.evaluations.history.modes if name in metrics)
+        line = f"eval epoch {state.epoch}/{state.max_epochs} {shown}"
+        evaluations = self.evaluations
+        best = best_so_far(evaluations.history, evaluations.best, evaluations.steps_per_epoch)
+        if best is not None:
+            line += f" | best {evaluations.best.metric} {_number(best[0])} (epoch {best[1]})"
+        line += (f" | elapsed {format_duration(self.time_left.elapsed())}"
+                 f" eta {self._eta(state.epoch + 1)}")
+        self._print(line)
+        self._warn_if_diverging()
+
+    def _warn_if_diverging(self) -> None:
+        losses = self.evaluations.history.val.get("loss", [])
+        if self._warned_divergence or len(losses) < 2:
+            return
+        first, last = losses[0], losses[-1]
+        if math.isfinite(last) and last <= DIVERGED_RATIO * first:
+            return
+        self._warned_divergence = True
+        self._print(f"warning: the validation loss rose to {_number(last)} from "
+                    f"{_number(first)} at the first evaluation: the training is diverging; "
+                    "try a lower --lr (a third or a tenth)")
+
+    def _print(self, line: str) -> None:
+        stream = self.stream or sys.stdout
+        if self.mode == "bar":
+            tqdm.write(line, file=stream)  # above the bars, which are drawn again below
+        else:
+            print(line, file=stream, flush=True)
 
 
 def format_duration(seconds: float) -> str:
@@ -114,6 +232,10 @@ def format_duration(seconds: float) -> str:
     if hours:
         return f"{hours}h{minutes:02d}m"
     return f"{minutes}m{seconds % 60:02d}s" if minutes else f"{seconds}s"
+
+
+def _number(value: object) -> str:
+    return f"{float(value):.4g}"
 
 
 def _total_iterations(trainer: Engine) -> int | None:

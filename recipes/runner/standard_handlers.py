@@ -31,8 +31,10 @@ from handlers import (
 )
 from handlers.graceful_stop import GracefulStop
 from handlers.history import RunHistory
+from handlers.progress import Evaluations
 from handlers.spike_guard import SpikeAction, SpikeGuard
 from handlers.startup_checks import StartupChecks
+from handlers.time_left import EvaluationSchedule
 from handlers.weight_averaging import WeightAveraging
 from recipes.runner.api import RunPlan
 from recipes.runner.config import ConfigError, group_values
@@ -61,12 +63,15 @@ class RunSite:
 class Evaluation:
     """Runs the evaluator on ``val_batches`` at the trainer's ``Events.EPOCH_COMPLETED``,
     every ``every`` epochs and after the last of ``epochs``; ``before(final)`` runs first
-    (a recipe's hook, e.g. switching on test-time augmentation for the final one)."""
+    (a recipe's hook, e.g. switching on test-time augmentation for the final one);
+    ``forwards(final)``, the forwards per sample that hook makes, scales the time left."""
 
     def __init__(self, val_batches: Iterable[Any], every: int, epochs: int,
-                 before: Callable[[bool], None] | None = None) -> None:
+                 before: Callable[[bool], None] | None = None,
+                 forwards: Callable[[bool], float] | None = None) -> None:
         self.val_batches, self.every, self.epochs, self.before = (
             val_batches, every, epochs, before)
+        self.forwards = forwards or (lambda final: 1.0)
         self._evaluator: Engine | None = None
 
     def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
@@ -75,11 +80,13 @@ class Evaluation:
         self._evaluator = evaluator
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self.run_if_due)
 
+    def due(self, epoch: int) -> bool:
+        return epoch % self.every == 0 or epoch == self.epochs
+
     def run_if_due(self, trainer: Engine) -> None:
-        final = trainer.state.epoch == self.epochs
-        if trainer.state.epoch % self.every == 0 or final:
+        if self.due(trainer.state.epoch):
             if self.before is not None:
-                self.before(final)
+                self.before(trainer.state.epoch == self.epochs)
             self._evaluator.run(self.val_batches)
 
 
@@ -97,6 +104,7 @@ class StandardHandlers:
     evaluation: Evaluation
     spike_guard: SpikeGuard | None = None
     tensorboard: TensorBoardLogger | None = None  # rank 0's
+    progress: Progress | None = None  # rank 0's
 
 
 def make_scheduler_factory(config: RunConfig, trainer: Trainer, plan: RunPlan
@@ -179,8 +187,10 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
                                         batch_size=config.batch_size, modes=site.modes,
                                         telemetry=telemetry)
         to_save["tensorboard"] = tensorboard
+        schedule = EvaluationSchedule(evaluation.due, evaluation.forwards)
         progress = Progress(mode=config.progress, stream=site.progress_stream,
-                            telemetry=telemetry)
+                            telemetry=telemetry, evaluations=Evaluations(
+                                history, goal, site.plan.steps_per_epoch, schedule))
         if spike_guard is not None:
             spike_guard.add_listener(lambda action: _log_spike_action(tensorboard, action))
     # RankZeroSave: rank 0 writes, every rank takes part, so a failed save stops them all.
@@ -207,7 +217,7 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         if handler is not None:
             handler.attach(trainer, evaluator)
     return StandardHandlers(telemetry, history, scheduler, early_stopping, checkpointer, stop,
-                            make_scheduler, evaluation, spike_guard, tensorboard)
+                            make_scheduler, evaluation, spike_guard, tensorboard, progress)
 
 
 def _log_spike_action(tensorboard: TensorBoardLogger, action: SpikeAction) -> None:

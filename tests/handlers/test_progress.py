@@ -3,11 +3,16 @@ import re
 
 import pytest
 import torch
+from ignite.engine import Engine, Events
 from torch import nn
 
+import handlers.progress as progress_module
 from engine import create_trainer
+from handlers.goal import Goal
 from handlers.grad_telemetry import GradientTelemetry
-from handlers.progress import Progress, format_duration
+from handlers.history import RunHistory
+from handlers.progress import Evaluations, Progress, format_duration
+from handlers.time_left import EvaluationSchedule
 
 PLAIN_LINE = re.compile(
     r"epoch (\d)/2 step (\d+) it (\d)/6 loss (\S+) lr 0.1 grad_norm (\S+) "
@@ -80,3 +85,128 @@ def test_duration_format():
 def test_rejects_an_unknown_mode():
     with pytest.raises(ValueError, match="mode='fancy'.*'auto', 'bar', 'plain', 'off'"):
         Progress(mode="fancy", telemetry=TELEMETRY)
+
+
+# --- evaluation lines and the time left -------------------------------------------------
+
+EPOCHS, BATCHES, EVAL_BATCHES = 3, 4, 2
+LOSSES, ACCURACIES = [2.0, 1.5, 7.0], [0.5, 0.6, 0.55]  # the third evaluation diverges
+EVAL_LINE = re.compile(r"eval epoch (\d)/3 accuracy (\S+) loss (\S+) \| best accuracy (\S+) "
+                       r"\(epoch (\d)\) \| elapsed (\S+) eta (\S+)")
+
+
+class ScriptedClock:
+    """A training iteration takes 1 s, an evaluation batch 0.5 s."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scripted_run(mode="plain", stream=None, resume_from_epoch=0):
+    """``EPOCHS`` epochs of ``BATCHES`` iterations, an evaluation after each (the final one
+    declared 3 forwards per sample, the others 1) whose metrics are ``LOSSES`` and
+    ``ACCURACIES``, on ``ScriptedClock``'s time; optionally resumed after an epoch."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             nn.functional.mse_loss)
+    clock = ScriptedClock()
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda _: setattr(
+        clock, "now", clock.now + 1.0))
+    evaluator = Engine(lambda engine, batch: setattr(clock, "now", clock.now + 0.5))
+
+    @evaluator.on(Events.COMPLETED)
+    def scripted_metrics(engine):
+        index = trainer.state.epoch - 1
+        engine.state.metrics = {"accuracy": ACCURACIES[index], "loss": LOSSES[index]}
+
+    telemetry = GradientTelemetry(log_every=2)
+    history = RunHistory(batch_size=4, modes={"accuracy": "max", "loss": "min"},
+                         telemetry=telemetry)
+    schedule = EvaluationSchedule(due=lambda epoch: True,
+                                  forwards=lambda final: 3.0 if final else 1.0)
+    progress = Progress(mode, stream, telemetry=telemetry, clock=clock, evaluations=Evaluations(
+        history, Goal("accuracy", "max"), BATCHES, schedule))
+    for handler in (telemetry, history, progress):
+        handler.attach(trainer, evaluator)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run(
+        range(EVAL_BATCHES)))
+    batches = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(BATCHES)]
+    if resume_from_epoch:
+        trainer.state.iteration = trainer.state.epoch = resume_from_epoch  # as a checkpoint
+        trainer.state.iteration *= BATCHES
+        trainer.state.optimizer_step = trainer.state.iteration
+        trainer.state.epoch_length, trainer.state.max_epochs = BATCHES, EPOCHS
+        history.val = {"step": [BATCHES * epoch for epoch in range(1, resume_from_epoch + 1)],
+                       "accuracy": ACCURACIES[:resume_from_epoch],
+                       "loss": LOSSES[:resume_from_epoch]}
+    trainer.run(batches, max_epochs=EPOCHS)
+
+
+def test_a_line_per_evaluation_with_the_metrics_the_best_and_the_time_left(capsys):
+    scripted_run()
+    lines = capsys.readouterr().out.splitlines()
+    evals = [EVAL_LINE.fullmatch(line) for line in lines if line.startswith("eval ")]
+    assert all(evals), lines
+    # After epoch 1: 4 s of training for 4 iterations, 1 s for an evaluation of 1 forward:
+    # 8 iterations (8 s) and evaluations of 1 and 3 forwards (4 s) are left.
+    assert [match.groups() for match in evals] == [
+        ("1", "0.5", "2", "0.5", "1", "5s", "12s"),
+        ("2", "0.6", "1.5", "0.6", "2", "10s", "7s"),
+        ("3", "0.55", "7", "0.6", "2", "15s", "0s"),
+    ]
+
+
+def test_training_lines_count_the_evaluations_once_one_is_measured(capsys):
+    scripted_run()
+    etas = [line.rsplit(" ", 1)[1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("epoch ")]
+    # Before the first evaluation its time is unknown; from then on it is counted.
+    assert etas[0] == "10s+eval" and all("+eval" not in eta for eta in etas[2:])
+
+
+def test_a_diverging_validation_loss_gets_one_warning(capsys):
+    scripted_run()
+    warnings = [line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("warning:")]
+    assert warnings == ["warning: the validation loss rose to 7 from 2 at the first "
+                        "evaluation: the training is diverging; try a lower --lr (a third "
+                        "or a tenth)"]
+
+
+def test_after_a_resume_the_time_left_is_measured_anew_and_the_best_kept(capsys):
+    scripted_run(resume_from_epoch=1)
+    evals = [EVAL_LINE.fullmatch(line) for line in capsys.readouterr().out.splitlines()
+             if line.startswith("eval ")]
+    # This process trained 4 iterations in 4 s and measured one evaluation: the same 7 s
+    # as without the resume, elapsed counted from the restart.
+    assert [match.groups() for match in evals] == [
+        ("2", "0.6", "1.5", "0.6", "2", "5s", "7s"),
+        ("3", "0.55", "7", "0.6", "2", "10s", "0s"),
+    ]
+
+
+def test_the_bar_shows_the_same_time_left_as_the_plain_lines(capsys):
+    stream = io.StringIO()
+    scripted_run(mode="bar", stream=stream, resume_from_epoch=1)
+    drawn = stream.getvalue()
+    assert "eval epoch 2/3 accuracy 0.6 loss 1.5 | best accuracy 0.6 (epoch 2) | elapsed 5s " \
+        "eta 7s" in drawn
+    # The bar's own remaining time is not tqdm's but ours, from the reports.
+    bar_etas = re.findall(r"grad_norm \S+, eta (\S+)\]", drawn)
+    scripted_run(mode="plain", resume_from_epoch=1)
+    plain_etas = [line.rsplit(" ", 1)[1] for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("epoch ")]
+    assert bar_etas and set(bar_etas) <= set(plain_etas)
+
+
+def test_a_long_evaluation_shows_its_progress_in_plain_lines(capsys, monkeypatch):
+    monkeypatch.setattr(progress_module, "EVAL_QUIET_SEC", 0.4)
+    monkeypatch.setattr(progress_module, "EVAL_LINE_EVERY_SEC", 0.1)
+    scripted_run()
+    lines = capsys.readouterr().out.splitlines()
+    # Batch 1 of 2 ends 0.5 s in, past the quiet time; batch 2 is the last: no line.
+    assert lines.count("evaluating 1/2 eta 0s") == 3 and "evaluating 2/2" not in lines

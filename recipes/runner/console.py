@@ -1,0 +1,80 @@
+"""What a run prints besides its progress: a header at the start (what runs, where, on
+what) and the end (how it ended, the best checkpoint, the summary, the next commands).
+The raw numbers stay in ``summary.json``; these lines are for the person watching."""
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine import resolve_precision
+from handlers.progress import best_so_far, format_duration
+from recipes.runner.api import Recipe
+from recipes.runner.run_config import RunConfig
+from recipes.runner.standard_handlers import StandardHandlers
+
+TENSORBOARD = "make tensorboard (then open http://127.0.0.1:6006)"
+# The recipe keys that say where the data comes from, when a recipe has them.
+DATA_KEYS = ("dataset", "data_dir", "text")
+
+
+def print_header(recipe: Recipe, config: RunConfig, run_dir: Path, data: Any,
+                 model: nn.Module) -> None:
+    source = recipe.data_source(config) if recipe.data_source is not None else None
+    print("\n".join(header(recipe.name, config, run_dir, recipe.sample_counts(data), model,
+                           source)), flush=True)
+
+
+def print_closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
+                  handlers: StandardHandlers) -> None:
+    print("\n".join(closing(recipe_name, summary, run_dir, handlers)), flush=True)
+
+
+def header(recipe_name: str, config: RunConfig, run_dir: Path, samples: tuple[int, int],
+           model: nn.Module, source: str | None = None) -> list[str]:
+    """The run's first lines: recipe, run folder, data (from ``source``, else the config's
+    data keys), model, device and precision, and how to watch it."""
+    if source is None:
+        source = ", ".join(f"--{key.replace('_', '-')} {getattr(config, key)}"
+                           for key in DATA_KEYS
+                           if hasattr(config, key))
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    name = getattr(config, "model", type(model).__name__)
+    precision = resolve_precision(config.precision, config.device)
+    device = str(precision.device)
+    if precision.device.type == "cuda":
+        device += f" ({torch.cuda.get_device_name(precision.device)})"
+    epochs = f"{config.epochs} epoch{'s' if config.epochs > 1 else ''}"
+    return [
+        f"{recipe_name} run in {run_dir}",
+        f"  data     {samples[0]:,} training, {samples[1]:,} validation samples"
+        + (f" from {source}" if source else ""),
+        f"  model    {name}, {parameters:,} parameters",
+        f"  device   {device}, {precision.name}; {epochs} of batch {config.batch_size}",
+        f"  watch    {TENSORBOARD}",
+    ]
+
+
+def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
+            handlers: StandardHandlers) -> list[str]:
+    """The run's last lines: how it ended, the best checkpoint with its metric and epoch,
+    the summary's path and the commands that come next."""
+    status, epochs = summary["status"], handlers.evaluation.epochs
+    lines = [f"{status}: epoch {summary['epochs_completed']}/{epochs}, "
+             f"{summary['optimizer_steps']:,} steps in "
+             f"{format_duration(summary['wall_time_sec'])}"]
+    best_file = run_dir / "checkpoints" / "best.pt"
+    evaluations = handlers.progress.evaluations
+    found = best_so_far(evaluations.history, evaluations.best, evaluations.steps_per_epoch)
+    if found is not None and best_file.exists():
+        lines.append(f"  best     {best_file}: {evaluations.best.metric} {found[0]:.4g} "
+                     f"(epoch {found[1]})")
+    lines.append(f"  summary  {run_dir / 'summary.json'}")
+    lines.append(f"  curves   {TENSORBOARD}")
+    again = f"python -m recipes {recipe_name} --run-dir {run_dir}"
+    if status == "completed" and not summary["stopped_early"]:
+        lines.append(f"  longer   {again} --epochs {2 * epochs} (continues this run)")
+    elif status.startswith("interrupted"):
+        lines.append(f"  continue {again}")
+    return lines
