@@ -181,6 +181,7 @@ TTA_PREDICTS: dict[str, Predict] = {
     "mirror": flip_tta_predict,
     "mirror_translate": mirror_translate_tta_predict,
 }
+TTA_FORWARDS = {"none": 1, "mirror": 2, "mirror_translate": 6}  # per image, of each hook
 
 
 class TTAPredict:

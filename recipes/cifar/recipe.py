@@ -18,7 +18,7 @@ from handlers import Lookahead
 from recipes.cifar.batches import FLIPS, EvalBatches, TrainBatches
 from recipes.cifar.commands import COMMANDS, EVAL_SPLITS
 from recipes.cifar.data import CifarArrays, holdout_validation, load_cifar10, make_synthetic, subset
-from recipes.cifar.model import MODELS, TTA_PREDICTS, TTAPredict, build_model
+from recipes.cifar.model import MODELS, TTA_FORWARDS, TTA_PREDICTS, TTAPredict, build_model
 from recipes.common.optimizers import OptimizerChoice, build_optimizer
 from recipes.common.paths import default_data_dir
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
@@ -74,16 +74,22 @@ class Config(OptimizerChoice, RunConfig):
                            choices=tuple(TTA_PREDICTS))
 
 
+def data_folder(config: Config) -> Path:
+    return default_data_dir("cifar10") if config.data_dir == "auto" else Path(config.data_dir)
+
+
+def data_source(config: Config) -> str:
+    return "synthetic images" if config.dataset == "synthetic" else str(data_folder(config))
+
+
 def load_data(config: Config) -> CifarArrays:
     if config.dataset == "synthetic":
         sizes = config.train_subset or SYNTHETIC_SIZES[0], config.val_subset or SYNTHETIC_SIZES[1]
         arrays = make_synthetic(*sizes, seed=config.seed)
     else:
-        auto = config.data_dir == "auto"
-        data_dir = default_data_dir("cifar10") if auto else Path(config.data_dir)
         # Only the auto fallback downloads: a --data-dir that holds nothing is most likely
         # a typo, and a failed download would leave its (empty) folder behind.
-        arrays = load_cifar10(data_dir, download=auto)
+        arrays = load_cifar10(data_folder(config), download=config.data_dir == "auto")
     if config.val_fraction:
         try:
             arrays = holdout_validation(arrays, config.val_fraction)
@@ -133,7 +139,10 @@ def build(config: Config, arrays: CifarArrays, ctx: Context) -> Parts:
                  train_batches=train_batches, val_batches=val_batches,
                  loss_fn=torch.nn.CrossEntropyLoss(label_smoothing=config.label_smoothing),
                  predict=predict, attach_extra=attach_lookahead,
-                 before_evaluation=before_evaluation, num_classes=len(arrays.classes))
+                 before_evaluation=before_evaluation,
+                 evaluation_forwards=lambda final: TTA_FORWARDS[
+                     config.final_tta if final else config.tta],
+                 num_classes=len(arrays.classes))
 
 
 def fingerprint(arrays: CifarArrays) -> dict[str, dict]:
@@ -148,4 +157,4 @@ RECIPE = Recipe(
     build=build, metrics={"accuracy": "max", "loss": "min"}, best="accuracy",
     sample_counts=lambda arrays: (len(arrays.train_labels), len(arrays.test_labels)),
     commands=COMMANDS, eval_splits=EVAL_SPLITS,
-    fingerprint=fingerprint)
+    fingerprint=fingerprint, data_source=data_source)

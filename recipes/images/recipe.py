@@ -109,11 +109,14 @@ class ImageData:
     pretrained: dict | None = None  # --weights: torchvision's state_dict for --model
 
 
+def data_folder(config: Config) -> Path:
+    return default_data_dir("cifar10") if config.data_dir == "auto" else Path(config.data_dir)
+
+
 def load_data(config: Config) -> ImageData:
     """List and check the tree (``DataError`` before anything is written), pick the image
     size and measure the normalisation statistics."""
-    auto = config.data_dir == "auto"
-    root = default_data_dir("cifar10") if auto else Path(config.data_dir)
+    auto, root = config.data_dir == "auto", data_folder(config)
     if auto and not root.is_dir():
         places = " or ".join(str(place) for place in data_dir_candidates("cifar10"))
         raise DataError(f"--data-dir auto: no CIFAR-10 folders at {places}; give --data-dir, "
@@ -194,4 +197,4 @@ RECIPE = Recipe(
     build=build, metrics={"accuracy": "max", "loss": "min"}, best="accuracy",
     sample_counts=lambda data: (len(data.folders.train), len(data.folders.val)),
     commands=COMMANDS, eval_splits=EVAL_SPLITS,
-    fingerprint=fingerprint)
+    fingerprint=fingerprint, data_source=lambda config: str(data_folder(config)))

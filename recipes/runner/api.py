@@ -90,6 +90,9 @@ class Parts:
     prepare_batch: PrepareBatch = move_to_device
     attach_extra: AttachExtra | None = None
     before_evaluation: Callable[[bool], None] | None = None
+    # Forwards per validation sample of an evaluation (final or not), when
+    # before_evaluation changes them: the time left scales the measured evaluations by it.
+    evaluation_forwards: Callable[[bool], float] | None = None
     num_classes: int | None = None  # a classifier's: the start-up checks use it
 
 
@@ -104,6 +107,9 @@ class Recipe:
     best: str
     sample_counts: Callable[[Any], tuple[int, int]]  # data -> (training, validation) samples
     fingerprint: Callable[[Any], dict[str, dict[str, str | int]]]
+    # config -> where the data comes from (e.g. the folder "auto" resolved to), for the
+    # run's first lines; without it they name the config's data keys.
+    data_source: Callable[[Any], str] | None = None
     # Commands besides training and evaluate (recipes.runner.commands), by name:
     # command(recipe, args) -> exit code, e.g. predict, generate.
     commands: Mapping[str, Callable[["Recipe", list[str]], int]] = field(default_factory=dict)

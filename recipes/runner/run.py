@@ -39,6 +39,7 @@ from handlers.lr_scheduling import set_new_peak_lr
 from handlers.spike_guard import LossSpikeError
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
 from recipes.runner.config import ConfigError, resume_overrides
+from recipes.runner.console import print_closing, print_header
 from recipes.runner.curves import plot_curves
 from recipes.runner.environment import environment_record
 from recipes.runner.errors import USER_ERRORS
@@ -275,7 +276,7 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started
                    rank=ctx.rank, model=parts.model,
                    checkpoint_meta={"data": started.fingerprint}, num_classes=parts.num_classes)
     evaluation = Evaluation(parts.val_batches, config.eval_every, config.epochs,
-                            before=parts.before_evaluation)
+                            before=parts.before_evaluation, forwards=parts.evaluation_forwards)
     handlers = attach_standard_handlers(trainer, evaluator, config, site, evaluation, extra)
     return trainer, evaluator, parts, handlers
 
@@ -283,6 +284,8 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started
 def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     rank, world = idist.get_rank(), idist.get_world_size()
     trainer, _, parts, handlers = build_run(recipe, config, started)
+    if rank == 0:
+        print_header(recipe, config, started.run_dir, started.data, parts.model)
     info = handlers.checkpointer.resume(config.resume) if rank == 0 else None
     if world > 1:  # rank 0 picked the file (and cleared stale temp files); all load that one
         chosen = idist.broadcast(str(info.path) if info is not None else "never", src=0)
@@ -357,7 +360,7 @@ def _write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
     summary = {"status": status, "run_id": started.run_id, **history.summary(trainer)}
     if handlers.spike_guard is not None:
         summary |= handlers.spike_guard.summary()
-    print(json.dumps(summary, indent=2))
+    print_closing(recipe.name, summary, started.run_dir, handlers)
     summary["environment"] = environment  # in the file only: the printed summary stays short
     try:  # the disk that failed a checkpoint may fail these too: the checkpoints matter
         write_json_atomic(started.run_dir / "summary.json", summary)

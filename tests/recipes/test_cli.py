@@ -301,7 +301,29 @@ def test_tiny_run_summary_is_consistent(tiny_run):
         TINY_STEPS * 64 / summary["train_time_sec"], rel=1e-2)
     best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
     assert best["meta"]["metric"]["value"] == pytest.approx(summary["best_val_accuracy"])
-    assert json.loads(result.stdout[result.stdout.index("{"):]) == summary  # printed as well
+
+
+def test_tiny_run_console_opens_with_the_run_and_ends_with_the_best_and_what_next(tiny_run):
+    result, run_dir = tiny_run
+    lines, folder = result.stdout.splitlines(), Path("runs") / "cifar" / "tiny"
+    parameters = sum(p.numel() for p in build_model("airbench").parameters())
+    start = lines.index(f"cifar run in {folder}")
+    assert lines[start + 1:start + 5] == [
+        "  data     256 training, 128 validation samples from synthetic images",
+        f"  model    airbench, {parameters:,} parameters",
+        "  device   cpu, fp32; 2 epochs of batch 64",
+        "  watch    make tensorboard (then open http://127.0.0.1:6006)"]
+    best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["meta"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    end = lines[lines.index(next(line for line in lines if line.startswith("completed: "))):]
+    assert end[0].startswith(f"completed: epoch 2/2, {TINY_STEPS} steps in ")
+    assert end[1:] == [
+        f"  best     {folder}/checkpoints/best.pt: accuracy "
+        f"{summary['best_val_accuracy']:.4g} (epoch {best['epoch']})",
+        f"  summary  {folder}/summary.json",
+        "  curves   make tensorboard (then open http://127.0.0.1:6006)",
+        f"  longer   python -m recipes cifar --run-dir {folder} --epochs 4 (continues this run)"]
+    assert "{" not in result.stdout  # the raw numbers stay in summary.json
 
 
 def test_tiny_run_draws_the_curves(tiny_run):

@@ -190,7 +190,7 @@ def test_sigterm_to_the_whole_process_group_stops_gracefully_with_workers(worksp
             "--run-dir", str(tmp_path / "run"), *RUN]
     stopped = run_and_signal(args, tmp_path, signal.SIGTERM, 3, 0.0, whole_group=True)
     assert stopped.returncode == 143, stopped.stderr
-    assert '"status": "interrupted by SIGTERM"' in stopped.stdout
+    assert "\ninterrupted by SIGTERM: epoch " in stopped.stdout
     assert "Traceback" not in stopped.stderr and "killed by signal" not in stopped.stderr
     resumed = run_cli(args, tmp_path)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
