@@ -67,14 +67,15 @@ def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
     best_file = run_dir / "checkpoints" / "best.pt"
     evaluations = handlers.progress.evaluations
     found = best_so_far(evaluations.history, evaluations.best, evaluations.steps_per_epoch)
-    if found is not None and best_file.exists():
+    has_best = found is not None and best_file.exists()
+    if has_best:
         lines.append(f"  best     {best_file}: {evaluations.best.metric} {found[0]:.4g} "
                      f"(epoch {found[1]})")
     lines.append(f"  summary  {run_dir / 'summary.json'}")
     lines.append(f"  curves   {TENSORBOARD}")
-    again = f"python -m recipes {recipe_name} --run-dir {run_dir}"
-    if status == "completed" and not summary["stopped_early"]:
-        lines.append(f"  longer   {again} --epochs {2 * epochs} (continues this run)")
-    elif status.startswith("interrupted"):
-        lines.append(f"  continue {again}")
+    if has_best:
+        lines.append(f"  evaluate python -m recipes {recipe_name} evaluate {run_dir}")
+    if status == "completed" and not summary["stopped_early"]:  # a stopped run: run.py's line
+        lines.append(f"  longer   python -m recipes {recipe_name} --run-dir {run_dir} "
+                     f"--epochs {2 * epochs} (continues this run)")
     return lines

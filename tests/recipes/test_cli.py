@@ -322,6 +322,7 @@ def test_tiny_run_console_opens_with_the_run_and_ends_with_the_best_and_what_nex
         f"{summary['best_val_accuracy']:.4g} (epoch {best['epoch']})",
         f"  summary  {folder}/summary.json",
         "  curves   make tensorboard (then open http://127.0.0.1:6006)",
+        f"  evaluate python -m recipes cifar evaluate {folder}",
         f"  longer   python -m recipes cifar --run-dir {folder} --epochs 4 (continues this run)"]
     assert "{" not in result.stdout  # the raw numbers stay in summary.json
 
