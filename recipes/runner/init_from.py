@@ -115,8 +115,9 @@ def plan_init_from(recipe: Recipe, config: Any, given: set[str], run_dir: Path, 
     written; the random state is left as it was); a resumed run keeps its saved record."""
     if not applies(config, run_dir):
         if "init_from" in given and config.init_from:
-            print(f"--init-from ignored: {run_dir} already started (it resumes from its "
-                  "checkpoints)")
+            source = (f"--resume {config.resume}" if config.resume not in ("auto", "never")
+                      else f"the checkpoints of {run_dir}, which already started")
+            print(f"--init-from ignored: this run resumes from {source}")
         return (saved or {}).get("init_from")
     init = read_init_weights(config.init_from)
     python_state = random.getstate()
