@@ -78,7 +78,7 @@ def evaluate(recipe: Recipe, args: list[str]) -> int:
     samples = recipe.sample_counts(trained.data)[1]
     evaluation = evaluation_name(trained)
     print(f"{recipe.name} {trained.checkpoint} (epoch {meta['epoch']}, step "
-          f"{meta['optimizer_step']}) on the {options.split} split: {samples} samples, "
+          f"{meta['optimizer_step']}): {options.split} split, {samples} samples, "
           f"{evaluation}, {trained.device}, {seconds:.1f} s")
     print(f"{'metric':<12} {'value':>10} {'recorded':>10}")
     for name, value in metrics.items():
@@ -111,8 +111,8 @@ def evaluation_name(trained: Trained) -> str:
     """Which of the run's evaluations this is: the final one (after the last epoch, e.g. with
     ``--final-tta``) or a per-epoch one, as for the checkpoint's epoch."""
     tta = getattr(trained.parts.predict, "name", None)
-    which = "the final evaluation" if trained.final_evaluation else "the per-epoch evaluation"
-    return which + (f" (test-time augmentation: {tta})" if tta else "")
+    which = "final evaluation" if trained.final_evaluation else "per-epoch evaluation"
+    return which + (f", tta {tta}" if tta else "")
 
 
 def output_path(text: str, suffixes: tuple[str, ...]) -> Path:
