@@ -1,7 +1,8 @@
 """``python -m recipes <name> [--key value ...]``: run a recipe from the command line.
 
 ``<name>`` is any folder ``recipes/<name>/`` whose ``recipe.py`` declares
-``RECIPE = Recipe(...)``, or the path of such a file. ``--help`` lists the keys;
+``RECIPE = Recipe(...)`` (its keys in a torch-free ``config.py``, so that the command line
+is checked before torch loads), or the path of such a file. ``--help`` lists the keys;
 ``--describe`` prints the run's wiring (every event and its handlers) without training or
 writing anything; ``--lr-find`` runs an LR range test on the run's data and step and
 suggests a peak ``--lr``.
@@ -11,17 +12,23 @@ one ``error:`` line and exit code 2, before anything is written to disk.
 A run that stops on its own also ends with one ``error:`` line (or a summary):
 3 when gradients stay non-finite, 4 when a checkpoint cannot be written (disk
 full, permission denied, read-only folder; the previous checkpoint is intact),
-143 after SIGTERM and 130 after Ctrl-C (each once the current step is saved).
+143 after SIGTERM and 130 after Ctrl-C (each once the current step is saved);
+141, quietly, when the reader of its output has gone (``--help | head -1``).
 """
 
 import logging
+import os
+import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from recipes.runner.config import ConfigError, help_text, parse_args
-from recipes.runner.errors import USER_ERRORS
-from recipes.runner.registry import find_recipes, load_recipe
-from recipes.runner.run import describe_run, find_lr_run, run
+from recipes.runner.registry import find_recipes, load_recipe, recipe_keys
+
+# A process that a closed pipe stops (`... --help | head -1`) exits as if SIGPIPE had
+# killed it: 128 + 13.
+CLOSED_PIPE_EXIT = 141
 
 
 def _usage() -> str:
@@ -43,29 +50,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     name, rest = args[0], args[1:]
     # Ignite logs every exception that leaves a run; the ones we handle get their own line.
     logging.getLogger("ignite.engine.engine").setLevel(logging.CRITICAL)
+    # The command line is checked before torch loads (seconds): a mistake is answered at once.
     try:
-        recipe = load_recipe(name)
         if rest and not rest[0].startswith("-"):  # a command: evaluate, predict, generate
-            from recipes.runner.commands import run_command
-            return run_command(recipe, rest[0], rest[1:])
+            return _with_torch(_run_command, name, rest)
+        keys = recipe_keys(name)
         if "-h" in rest or "--help" in rest:
-            print(help_text(recipe.config, f"python -m recipes {name}", recipe.summary,
-                            recipe.name))
+            print(help_text(keys.config, f"python -m recipes {name}", keys.summary, keys.name,
+                            width=shutil.get_terminal_size((100, 24)).columns))
             return 0
         commands = {"--describe", "--lr-find"} & set(rest)
         if len(commands) > 1:
             raise ConfigError("--describe and --lr-find: give one of them")
-        config, given = parse_args(recipe.config, [arg for arg in rest if arg not in commands])
-        if "--describe" in commands:
-            print(describe_run(recipe, config))
-            return 0
-        if "--lr-find" in commands:
-            return find_lr_run(recipe, config)
-        return run(recipe, config, given)
+        config, given = parse_args(keys.config, [arg for arg in rest if arg not in commands])
+    except ConfigError as err:
+        return _user_error(err)
+    return _with_torch(_train, name, config, given, commands)
+
+
+def _with_torch(action: Callable[..., int], *args: Any) -> int:
+    """``action(*args)``, with exit code 2 and one line for what it refuses as the user's
+    mistake. Torch loads from here on."""
+    from recipes.runner.errors import USER_ERRORS
+
+    try:
+        return action(*args)
     except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _user_error(err)
+
+
+def _run_command(name: str, rest: list[str]) -> int:
+    from recipes.runner.commands import run_command
+
+    return run_command(load_recipe(name), rest[0], rest[1:])
+
+
+def _train(name: str, config: Any, given: set[str], commands: set[str]) -> int:
+    from recipes.runner.run import describe_run, find_lr_run, run
+
+    recipe = load_recipe(name)
+    if "--describe" in commands:
+        print(describe_run(recipe, config))
+        return 0
+    if "--lr-find" in commands:
+        return find_lr_run(recipe, config)
+    return run(recipe, config, given)
+
+
+def _user_error(err: Exception) -> int:
+    print(f"error: {err}", file=sys.stderr)
+    return 2
+
+
+def _main_quiet_on_closed_pipe() -> int:
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader has gone: stop without a traceback. Python flushes stdout once more
+        # at exit and would report that failure too, so stdout now points at /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return CLOSED_PIPE_EXIT
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main_quiet_on_closed_pipe())

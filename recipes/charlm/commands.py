@@ -1,8 +1,6 @@
 """charlm's command besides training and ``evaluate``: ``generate``, text from a trained model
 (nanoGPT's ``sample.py``: a prompt, samples of new bytes, temperature, top-k, a seed)."""
 
-import argparse
-
 import torch
 
 from recipes.runner.api import Recipe
@@ -14,13 +12,9 @@ VOCABULARY = 256  # bytes
 
 
 def positive_float(text: str) -> float:
-    """An argument type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(text)
     return value
 
 

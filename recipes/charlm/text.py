@@ -10,9 +10,9 @@ import os
 import sysconfig
 from pathlib import Path
 
+from recipes.charlm.config import STDLIB
 from recipes.runner.errors import DataError
 
-STDLIB = "stdlib"
 # Not the standard library's own code: installed packages and test suites.
 SKIPPED_STDLIB_FOLDERS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 

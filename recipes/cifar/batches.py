@@ -15,12 +15,12 @@ import torch
 from ignite.engine import Engine
 
 from handlers.arguments import check_int
+from recipes.cifar.config import FLIPS
 from recipes.common.data_order import EpochPosition, check_rank, epoch_order, mix_seed
 
 # Per-channel statistics of the CIFAR-10 training set, on the 0-1 pixel scale.
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-FLIPS = ("random", "alternating")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

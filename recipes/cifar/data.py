@@ -29,6 +29,7 @@ from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from handlers.arguments import check_int, check_number
 from handlers.atomic_write import write_atomically
 from recipes.common.image_files import class_names, list_class_folder, read_image
+from recipes.common.paths import data_dir_candidates, places_looked_in
 from recipes.runner.errors import DataError
 
 IMAGE_SHAPE = (3, 32, 32)
@@ -55,8 +56,9 @@ def load_cifar10(data_dir: Path, download: bool = True) -> CifarArrays:
     """Load CIFAR-10 from ``data_dir``, which holds either image folders
     ``train/<class>/<image>`` and ``test/<class>/<image>`` (any of
     ``recipes.common.image_files.IMAGE_SUFFIXES``; other files are ignored) or torchvision's
-    ``cifar-10-batches-py/``. With neither, and ``download``, fetch the python
-    batches into ``data_dir``. Raises ``DataError`` naming what is missing or broken.
+    ``cifar-10-batches-py/``. With neither, and ``download`` (the fallback of ``--data-dir
+    auto``), fetch the python batches into ``data_dir``. Raises ``DataError`` naming what is
+    missing or broken; after a failed download it names every place ``auto`` looks in.
 
     Image folders are read in round-robin class order (the first image of every
     class, then the second, ...), so any prefix or suffix of the training set
@@ -67,22 +69,22 @@ def load_cifar10(data_dir: Path, download: bool = True) -> CifarArrays:
         return _load_python_batches(data_dir)
     if (data_dir / "train").is_dir() and (data_dir / "test").is_dir():
         return _load_image_folders(data_dir)
-    ways = (
-        f"put image folders at {data_dir}/train/<class>/*.jpg and {data_dir}/test/<class>/*.jpg, "
-        f"or the official python batches at {data_dir}/{PYTHON_BATCHES_FOLDER}/, "
-        "or run with network access so torchvision can download them"
-    )
+    expected = (f"expected image folders train/<class>/*.jpg and test/<class>/*.jpg, or the "
+                f"official python batches {PYTHON_BATCHES_FOLDER}/")
     if not download:
-        raise DataError(f"no CIFAR-10 found in {data_dir} (download disabled): {ways}")
+        raise DataError(f"no CIFAR-10 found in {places_looked_in([data_dir])}: {expected}; "
+                        "name the folder that holds them with --data-dir")
     # Folders the download creates; on failure they go again (nothing in them is ours).
     created = [folder for folder in (data_dir, *data_dir.parents) if not folder.exists()]
+    looked_in = places_looked_in([*data_dir_candidates("cifar10"), data_dir])
     try:
         download_python_batches(data_dir)
     except Exception as error:  # any failure to fetch means the same thing to the user
         if created:
             shutil.rmtree(created[-1], ignore_errors=True)
-        raise DataError(f"no CIFAR-10 found in {data_dir} and the download failed "
-                        f"({type(error).__name__}: {error}): {ways}") from error
+        raise DataError(f"no CIFAR-10 found in {looked_in}, and the download into {data_dir} "
+                        f"failed ({type(error).__name__}: {error}): {expected} in one of "
+                        "them, or name the folder that holds them with --data-dir") from error
     return _load_python_batches(data_dir)
 
 

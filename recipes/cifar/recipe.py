@@ -7,7 +7,7 @@ Validation uses the official test split unless ``val_fraction`` holds out part o
 training set. The run itself (folder, resume, handlers, processes) is ``recipes.runner.run``'s.
 """
 
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import ignite.distributed as idist
@@ -15,63 +15,22 @@ import torch
 from ignite.metrics import Accuracy, Loss
 
 from handlers import Lookahead
-from recipes.cifar.batches import FLIPS, EvalBatches, TrainBatches
+from recipes.cifar.batches import EvalBatches, TrainBatches
 from recipes.cifar.commands import COMMANDS, EVAL_SPLITS
+from recipes.cifar.config import Config
 from recipes.cifar.data import CifarArrays, holdout_validation, load_cifar10, make_synthetic, subset
-from recipes.cifar.model import MODELS, TTA_FORWARDS, TTA_PREDICTS, TTAPredict, build_model
-from recipes.common.optimizers import OptimizerChoice, build_optimizer
+from recipes.cifar.model import TTA_FORWARDS, TTAPredict, build_model
+from recipes.common.optimizers import build_optimizer
 from recipes.common.paths import default_data_dir
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
-from recipes.runner.config import ConfigError, field
+from recipes.runner.config import ConfigError
 from recipes.runner.fingerprint import fingerprint_arrays
-from recipes.runner.run_config import RunConfig
 
 SYNTHETIC_SIZES = (10_000, 2_000)  # train, test samples when no subset is given
 # Lookahead as airbench94 tuned it, in samples rather than steps so that it means the same
 # at any batch size: an update every 5120 samples keeping 0.95**5 (times the ramp), from
 # 30% of the run on.
 LOOKAHEAD_EVERY_SAMPLES, LOOKAHEAD_DECAY, LOOKAHEAD_START = 5 * 1024, 0.95**5, 0.3
-
-
-@dataclass
-class Config(OptimizerChoice, RunConfig):
-    # Muon for the conv filters reaches in 8 epochs what SGD alone reaches in 10 (README).
-    epochs: int = field(8, "epochs to train", min=1)
-    optimizer: str = field(
-        "muon", "muon: Muon (momentum orthogonalised by Newton-Schulz) for the conv filters, "
-        "SGD-Nesterov for the rest (norm shifts, whitening bias, head); sgd: SGD for every "
-        "weight", choices=("sgd", "muon"), fixed_on_resume=True)
-    lr: float = field(0.375, "peak learning rate (airbench's 1.5 per 1024 samples)", min=0,
-                      min_exclusive=True)
-    data_dir: str = field("auto", "CIFAR-10 folder (image folders or python batches); auto: "
-                          "../shared/data/cifar10, else data/cifar10 (downloaded if missing)")
-    dataset: str = field("cifar10", "data set", choices=("cifar10", "synthetic"),
-                         fixed_on_resume=True)
-    model: str = field("airbench", "network", choices=tuple(MODELS), fixed_on_resume=True)
-    momentum: float = field(0.85, "SGD momentum", min=0, max=0.999, fixed_on_resume=True)
-    nesterov: bool = field(True, "Nesterov momentum", fixed_on_resume=True)
-    weight_decay: float = field(1.33e-3, "weight decay (not on biases and norm weights)", min=0,
-                                fixed_on_resume=True)
-    label_smoothing: float = field(0.2, "label smoothing of the training loss", min=0, max=0.99)
-    crop_padding: int = field(2, "random-translate augmentation, in pixels (0: off)", min=0,
-                              max=16)
-    flip: str = field("alternating", "horizontal flips: random in each epoch, or alternating "
-                      "(each image mirrored in every other epoch)", choices=FLIPS)
-    lookahead: bool = field(True, "lookahead weight averaging (from 30% of the run on)",
-                            fixed_on_resume=True)
-    train_subset: int | None = field(None, "use only the first N training samples", min=1,
-                                     fixed_on_resume=True)
-    val_subset: int | None = field(None, "use only the first N validation samples", min=1,
-                                   fixed_on_resume=True)
-    val_fraction: float | None = field(None, "hold out this fraction of train for validation "
-                                       "instead of the test split", min=0, max=0.5,
-                                       min_exclusive=True, fixed_on_resume=True)
-    channels_last: bool = field(True, "channels_last memory format (faster on CPU, measured)")
-    tta: str = field("mirror", "test-time augmentation of the evaluations during the run",
-                     choices=tuple(TTA_PREDICTS))
-    final_tta: str = field("mirror_translate", "test-time augmentation of the evaluation after "
-                           "the last epoch (mirror_translate: 6 forwards per image)",
-                           choices=tuple(TTA_PREDICTS))
 
 
 def data_folder(config: Config) -> Path:
@@ -157,4 +116,5 @@ RECIPE = Recipe(
     build=build, metrics={"accuracy": "max", "loss": "min"}, best="accuracy",
     sample_counts=lambda arrays: (len(arrays.train_labels), len(arrays.test_labels)),
     commands=COMMANDS, eval_splits=EVAL_SPLITS,
-    fingerprint=fingerprint, data_source=data_source)
+    fingerprint=fingerprint, data_source=data_source,
+    stand_in_data=lambda config: load_data(replace(config, dataset="synthetic")))

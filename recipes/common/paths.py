@@ -2,6 +2,7 @@
 folder next to the repository (a data set kept once for every checkout on the machine),
 then ``data/`` in the working directory."""
 
+from collections.abc import Iterable
 from pathlib import Path
 
 SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"  # <repository>/../shared
@@ -18,3 +19,10 @@ def default_data_dir(name: str) -> Path:
     working directory, which may not exist yet)."""
     shared, local = data_dir_candidates(name)
     return shared if shared.is_dir() else local
+
+
+def places_looked_in(places: Iterable[Path]) -> str:
+    """``a (no such folder) and b``: each place once, in order, for a missing-data error."""
+    unique = list(dict.fromkeys(places))
+    named = [f"{place}{'' if place.exists() else ' (no such folder)'}" for place in unique]
+    return " and ".join(named) if len(named) <= 2 else ", ".join(named[:-1]) + ", and " + named[-1]

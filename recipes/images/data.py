@@ -30,10 +30,10 @@ from engine.batch import move_to_device
 from handlers.arguments import check_int
 from recipes.common.data_order import check_rank, epoch_order, mix_seed
 from recipes.common.image_files import IMAGE_SUFFIXES, class_names, list_class_folder, read_image
+from recipes.images.config import SMALL_IMAGE_MAX
 from recipes.runner.errors import DataError
 
 VAL_SPLITS = ("val", "test")  # the first of these that exists is the validation split
-SMALL_IMAGE_MAX = 64  # up to this side: pad-and-crop augmentation and a CIFAR-style stem
 EVAL_CROP_FRACTION = 0.875  # large images: resize to side / 0.875, then centre-crop the side
 STATS_IMAGES = 256  # training images whose pixels give the normalisation statistics
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

@@ -11,7 +11,6 @@ number of workers (``recipes.images.data``). The run itself (folder, resume, han
 processes) is ``recipes.runner.run``'s.
 """
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +19,13 @@ import torchvision
 from ignite.metrics import Accuracy, Loss
 from torch import nn
 
-from recipes.common.optimizers import OptimizerChoice, build_optimizer
-from recipes.common.paths import data_dir_candidates, default_data_dir
+from recipes.common.optimizers import build_optimizer
+from recipes.common.paths import data_dir_candidates, default_data_dir, places_looked_in
 from recipes.images.commands import COMMANDS, EVAL_SPLITS
+from recipes.images.config import LAYOUT, MAX_AUTO_SIZE, SMALL_IMAGE_MAX, Config
 from recipes.images.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
-    SMALL_IMAGE_MAX,
     EpochBatchSampler,
     ImageFiles,
     ImageFolders,
@@ -42,60 +41,8 @@ from recipes.images.data import (
 )
 from recipes.images.pretrained import pretrained_classifier, read_pretrained, weights_file
 from recipes.runner.api import Context, Parts, Recipe
-from recipes.runner.config import field
 from recipes.runner.errors import DataError
 from recipes.runner.fingerprint import fingerprint_files
-from recipes.runner.run_config import RunConfig
-
-CLASSIFIERS = tuple(torchvision.models.list_models(module=torchvision.models))
-MAX_AUTO_SIZE = 224  # --image-size by default: the first image's shorter side, at most this
-LAYOUT = ("train/<class>/<image> and val/<class>/<image> (or test/), or only train/ with "
-          "--val-fraction")
-
-
-def _check_model(name: str) -> str | None:
-    if name in CLASSIFIERS:
-        return None
-    return f"must be a torchvision classification model (e.g. resnet18), got {name!r}"
-
-
-def _check_weights(value: str) -> str | None:
-    if value in ("none", "DEFAULT") or Path(value).is_file():
-        return None
-    return f"must be DEFAULT, none or a weights file; {value!r} is not a file"
-
-
-@dataclass
-class Config(OptimizerChoice, RunConfig):
-    lr: float = field(0.1, "peak learning rate (SGD; 0.1 per 256 samples is the usual start)",
-                      min=0, min_exclusive=True)
-    data_dir: str = field("auto", f"image-folder tree: {LAYOUT}; auto: the CIFAR-10 folders "
-                          "../shared/data/cifar10, else data/cifar10")
-    val_fraction: float | None = field(None, "hold out this fraction of each training class "
-                                       "(the same files every time) instead of val/ or test/",
-                                       min=0, max=0.5, min_exclusive=True, fixed_on_resume=True)
-    image_size: int | None = field(None, "side of the square images the model sees (none: the "
-                                   f"first training image's shorter side, at most "
-                                   f"{MAX_AUTO_SIZE}); at most {SMALL_IMAGE_MAX}: pad-and-crop "
-                                   "and a CIFAR-style stem, else random resized crops", min=8,
-                                   fixed_on_resume=True)
-    normalize: str = field("train", "per-channel mean and std: train = measured on up to 256 "
-                           "training images at each start, imagenet = ImageNet's",
-                           choices=("train", "imagenet"), fixed_on_resume=True)
-    model: str = field("resnet18", "any torchvision classification model by name (untrained "
-                       "unless --weights)", check=_check_model, fixed_on_resume=True)
-    weights: str = field("none", "start --model from pretrained weights, its classifier head "
-                         "replaced for the folder's classes: DEFAULT (torchvision's, downloaded "
-                         "into torch's cache), a state_dict file (.pth), or none",
-                         check=_check_weights)
-    num_workers: int = field(len(os.sched_getaffinity(0)), "DataLoader worker processes "
-                             "(default: this machine's cores; 0: load in the training "
-                             "process); kept on resume", min=0, fixed_on_resume=True)
-    momentum: float = field(0.9, "SGD momentum", min=0, max=0.999, fixed_on_resume=True)
-    nesterov: bool = field(True, "Nesterov momentum", fixed_on_resume=True)
-    weight_decay: float = field(5e-4, "weight decay (not on biases and norm weights)", min=0,
-                                fixed_on_resume=True)
-    label_smoothing: float = field(0.1, "label smoothing of the training loss", min=0, max=0.99)
 
 
 @dataclass(frozen=True)
@@ -118,9 +65,9 @@ def load_data(config: Config) -> ImageData:
     size and measure the normalisation statistics."""
     auto, root = config.data_dir == "auto", data_folder(config)
     if auto and not root.is_dir():
-        places = " or ".join(str(place) for place in data_dir_candidates("cifar10"))
-        raise DataError(f"--data-dir auto: no CIFAR-10 folders at {places}; give --data-dir, "
-                        f"a folder with {LAYOUT}")
+        places = places_looked_in(data_dir_candidates("cifar10"))
+        raise DataError(f"--data-dir auto: no CIFAR-10 folders in {places}: expected {LAYOUT}; "
+                        "name such a folder with --data-dir")
     if not root.is_dir():
         raise DataError(f"--data-dir {root} is not a folder: expected one with {LAYOUT}")
     folders = list_image_folders(root, config.val_fraction)

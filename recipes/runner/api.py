@@ -14,11 +14,7 @@ A recipe module ``recipes/<name>/recipe.py`` holds one value, ``RECIPE = Recipe(
   number of processes before anything is written;
 - ``fingerprint(data) -> {split name: fingerprint}``: cheap facts about each split
   (counts, hashes; ``recipes.runner.fingerprint``) stored with the run: a resume on different
-  data is refused, naming what changed;
-- optional: ``commands`` (by name, ``command(recipe, args) -> exit code``: what
-  ``python -m recipes <name> <command> <run> ...`` runs besides training and ``evaluate``,
-  ``recipes.runner.commands``) and ``eval_splits`` (the splits besides validation that
-  ``evaluate --split`` can name).
+  data is refused, naming what changed.
 
 ``recipes.runner.run.run(RECIPE, config, given)`` does the rest (``python -m recipes <name>``
 calls it).
@@ -114,6 +110,9 @@ class Recipe:
     # config -> where the data comes from (e.g. the folder "auto" resolved to), for the
     # run's first lines; without it they name the config's data keys.
     data_source: Callable[[Any], str] | None = None
+    # config -> a stand-in for the data with the same shapes and classes (random samples),
+    # on which --describe builds the run's wiring without reading or downloading the data.
+    stand_in_data: Callable[[Any], Any] | None = None
     # Commands besides training and evaluate (recipes.runner.commands), by name:
     # command(recipe, args) -> exit code, e.g. predict, generate.
     commands: Mapping[str, Callable[["Recipe", list[str]], int]] = field(default_factory=dict)

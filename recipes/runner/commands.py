@@ -54,13 +54,9 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def positive_int(text: str) -> int:
-    """An argument type: an integer >= 1 (argparse names the flag in its message)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
+    value = int(text)
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+        raise ValueError(text)
     return value
 
 

@@ -9,6 +9,7 @@ line turns it into exit code 2 before anything touches the disk.
 
 import dataclasses
 import difflib
+import textwrap
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -139,9 +140,7 @@ def parse_args(config_cls: type, argv: Sequence[str]) -> tuple[Any, set[str]]:
         key, has_value, text = token[2:].partition("=")
         name = key.replace("-", "_")
         if name not in fields:
-            close = difflib.get_close_matches(name, fields, n=3)
-            hint = f"; did you mean {', '.join(flag_name(c) for c in close)}?" if close else ""
-            raise ConfigError(f"unknown key {flag_name(name)}{hint} (see --help for all keys)")
+            raise ConfigError(_unknown_key(name, fields, hints))
         if not has_value:
             if not args or args[0].startswith("--"):
                 raise ConfigError(f"{flag_name(name)}: missing value")
@@ -154,22 +153,41 @@ def parse_args(config_cls: type, argv: Sequence[str]) -> tuple[Any, set[str]]:
     return config, set(values)
 
 
-def help_text(config_cls: type, prog: str, description: str, recipe_name: str) -> str:
-    """Usage, ``description``, then the keys (default, meaning) in blocks headed by their
-    group, in the order the groups are first declared; the keys without a group last, under
-    ``recipe_name``."""
+def _unknown_key(name: str, fields: Sequence[str], hints: dict[str, Any]) -> str:
+    """``unknown key --x; did you mean ...?``; for ``--no-<switch>`` the spelling that turns
+    the switch off (``--lookahead false``)."""
+    switch = name.removeprefix("no_")
+    if switch != name and switch in fields and _base_type(hints[switch])[0] is bool:
+        hint = f"; to turn {flag_name(switch)} off, say {flag_name(switch)} false"
+    else:
+        close = difflib.get_close_matches(name, fields, n=3)
+        hint = f"; did you mean {', '.join(flag_name(c) for c in close)}?" if close else ""
+    return f"unknown key {flag_name(name)}{hint} (see --help for all keys)"
+
+
+def help_text(config_cls: type, prog: str, description: str, recipe_name: str,
+              width: int = 100) -> str:
+    """Usage, an example, ``description``, then the keys (default, meaning) in blocks headed
+    by their group, in the order the groups are first declared; the keys without a group
+    last, under ``recipe_name``. Meanings wrap at ``width`` columns, each continuation under
+    the meaning's first character, so that the three columns stay aligned in a terminal."""
     specs = dataclasses.fields(config_cls)
     flag_width = max(len(flag_name(spec.name)) for spec in specs)
     default_width = max(len(str(spec.default)) for spec in specs)
+    indent = " " * (2 + flag_width + 2 + default_width + 2)
     blocks: dict[str | None, list[str]] = {}
     for spec in specs:
         meta = spec.metadata
         allowed = f" [{' | '.join(str(c) for c in meta['choices'])}]" if meta.get("choices") else ""
-        line = (f"  {flag_name(spec.name):<{flag_width}}  {spec.default!s:<{default_width}}  "
-                f"{meta['help']}{allowed}")
-        blocks.setdefault(group_of(config_cls, spec.name), []).append(line)
+        columns = f"  {flag_name(spec.name):<{flag_width}}  {spec.default!s:<{default_width}}  "
+        blocks.setdefault(group_of(config_cls, spec.name), []).extend(textwrap.wrap(
+            meta["help"] + allowed, max(width, len(indent) + 30), initial_indent=columns,
+            subsequent_indent=indent, break_on_hyphens=False))
     own = blocks.pop(None, [])
-    lines = [f"usage: {prog} [--key value ...]", "", description, "", "keys (default, meaning):"]
+    lines = [f"usage: {prog} [--key value ...]",
+             f"example: {prog} --epochs 2 --run-name first-try", "",
+             description, "",
+             "keys (default, meaning); every key takes a value, true/false for a switch:"]
     for heading, keys in [*blocks.items(), (f"{recipe_name} (the recipe's own keys)", own)]:
         if keys:
             lines += ["", f"{heading}:", *keys]

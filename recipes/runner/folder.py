@@ -2,30 +2,12 @@
 
 import json
 import math
-import re
 import time
 from pathlib import Path
 from typing import Any
 
 from handlers.atomic_write import write_atomically
 from recipes.runner.config import ConfigError
-
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-def check_run_name(name: str) -> str | None:
-    """An error text for a bad run name, else None: 1-64 of letters, digits, '.', '_', '-',
-    not starting with '.' or '-' (so no '..', no '/', no hidden folders)."""
-    if name == "":
-        return None  # empty means "a timestamp"
-    if len(name) > 64:
-        return f"must be at most 64 characters, got {len(name)}"
-    if not RUN_NAME.fullmatch(name):
-        return (
-            f"{name!r} may only hold letters, digits, '.', '_', '-' "
-            "and must start with a letter or digit"
-        )
-    return None
 
 
 def resolve_run_dir(recipe: str, run_name: str, run_dir: str) -> Path:

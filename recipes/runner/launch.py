@@ -29,7 +29,6 @@ from handlers import CheckpointError
 from recipes.runner.config import ConfigError
 from recipes.runner.errors import USER_ERRORS
 
-BACKENDS = ("auto", "gloo", "nccl")
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun for each process
 
 

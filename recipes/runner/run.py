@@ -417,9 +417,10 @@ def overfit_run(recipe: Recipe, config: RunConfig) -> int:
 
 def describe_run(recipe: Recipe, config: RunConfig) -> str:
     """The run's wiring: every event of the trainer and evaluator with its handlers, in the
-    order they run. Builds the run in a temporary folder (nothing is written to runs/)."""
+    order they run. Builds the run in a temporary folder (nothing is written to runs/), on
+    the recipe's stand-in data when it has one (so the data set need not be there)."""
     with tempfile.TemporaryDirectory() as folder:
-        data = recipe.load_data(config)
+        data = (recipe.stand_in_data or recipe.load_data)(config)
         started = Started(Path(folder), "describe", {}, data)
         trainer, evaluator, _, handlers = build_run(recipe, config, started)
         handlers.stop.restore()

@@ -17,19 +17,25 @@ early stopping): a resume would silently keep the saved value, so a change is re
 ``lr`` and ``epochs`` may change: the schedule is rebuilt for them.
 """
 
+import re
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from engine.precision import PRECISIONS
-from handlers import SCHEDULER_NAMES
-from handlers.spike_guard import WATCH_CHOICES
 from recipes.runner.config import field
-from recipes.runner.folder import check_run_name
-from recipes.runner.launch import BACKENDS
 
+# This module imports no torch: ``python -m recipes`` parses and checks the command line
+# before torch loads (seconds), so a mistyped key is answered at once. The choices that the
+# engine and the handlers define next to their torch code are spelled out here again;
+# tests/recipes/runner/test_config.py checks that each copy equals its original.
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")  # engine.precision.PRECISIONS
+SCHEDULER_NAMES = ("none", "step", "cosine", "onecycle", "plateau", "cosine_restarts",
+                   "warmup_cosine")  # handlers.lr_scheduling.SCHEDULER_NAMES
+WATCH_CHOICES = ("both", "loss", "grad_norm")  # handlers.spike_guard.WATCH_CHOICES
+BACKENDS = ("auto", "gloo", "nccl")
 PROGRESS = ("auto", "bar", "plain", "off")
 AVERAGING = ("none", "ema", "swa")
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 run_key = partial(field, group="run")
 schedule_key = partial(field, group="schedule")
@@ -38,6 +44,21 @@ checkpoints_key = partial(field, group="checkpoints")
 health_key = partial(field, group="health")
 spike_key = partial(field, group="spike", fixed_on_resume=True)  # the guard is checkpointed
 distributed_key = partial(field, group="distributed")
+
+
+def check_run_name(name: str) -> str | None:
+    """An error text for a bad run name, else None: 1-64 of letters, digits, '.', '_', '-',
+    not starting with '.' or '-' (so no '..', no '/', no hidden folders)."""
+    if name == "":
+        return None  # empty means "a timestamp"
+    if len(name) > 64:
+        return f"must be at most 64 characters, got {len(name)}"
+    if not RUN_NAME.fullmatch(name):
+        return (
+            f"{name!r} may only hold letters, digits, '.', '_', '-' "
+            "and must start with a letter or digit"
+        )
+    return None
 
 
 def _check_resume(value: str) -> str | None:

@@ -111,15 +111,72 @@ def test_help_lists_the_recipes(argv, capsys):
     assert "usage: python -m recipes <recipe>" in out and "\n  cifar " in out
 
 
+def help_entry(lines: list[str], flag: str) -> str | None:
+    """The line of ``flag`` in ``--help`` joined with the lines its meaning wraps onto."""
+    for index, line in enumerate(lines):
+        if line.startswith(f"  {flag} "):
+            wrapped = []
+            for after in lines[index + 1:]:
+                if not after.startswith(" " * 6):
+                    break
+                wrapped.append(after.strip())
+            return " ".join([line, *wrapped])
+    return None
+
+
 def test_recipe_help_lists_every_key_with_its_default_and_meaning(tmp_path):
     result = run_cli(["cifar", "--help"], tmp_path)
     assert result.returncode == 0 and result.stderr == ""
     lines = result.stdout.splitlines()
+    assert lines[1].startswith("example: python -m recipes cifar --epochs 2")
     for spec in dataclasses.fields(Config):
-        flag = "--" + spec.name.replace("_", "-")
-        line = next((line for line in lines if line.split()[:1] == [flag]), None)
-        assert line is not None, flag
-        assert str(spec.default) in line and spec.metadata["help"] in line
+        entry = help_entry(lines, "--" + spec.name.replace("_", "-"))
+        assert entry is not None, spec.name
+        assert str(spec.default) in entry and " ".join(spec.metadata["help"].split()) in entry
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_recipe_help_keeps_its_columns_at_the_terminals_width(tmp_path):
+    """Each meaning starts in the same column, and wraps under itself within COLUMNS."""
+    result = run_cli(["cifar", "--help"], tmp_path, COLUMNS="80")
+    keys = [line for line in result.stdout.splitlines() if line.startswith(("  --", " " * 6))]
+    assert len(keys) > len(dataclasses.fields(Config)) and all(len(k) <= 80 for k in keys)
+    meaning_columns = {len(line) - len(line.split("  ")[-1]) for line in keys}
+    starts = {len(line) - len(line.lstrip()) for line in keys if not line.startswith("  --")}
+    assert len(starts) == 1 and starts <= meaning_columns
+
+
+def test_help_into_a_closed_pipe_stops_quietly(tmp_path):
+    """`python -m recipes cifar --help | head -1`: no BrokenPipeError traceback."""
+    result = subprocess.run(f"{sys.executable} -m recipes cifar --help | head -1", shell=True,
+                            cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                            timeout=CLI_TIMEOUT_SEC)
+    assert result.stdout == "usage: python -m recipes cifar [--key value ...]\n"
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("args", [["cifar", "--epochs-typo", "3"], ["CIFAR", "--epochs", "3"],
+                                  ["charlm", "--lr", "fast"], ["images", "--no-seed", "1"]])
+def test_a_mistake_on_the_command_line_is_answered_before_torch_loads(args, tmp_path):
+    """The whole command line is checked with no torch in the process (importing it takes
+    seconds): `-X importtime` lists every module the process imported."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "recipes", *args],
+                            cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                            timeout=CLI_TIMEOUT_SEC)
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "recipes.runner.config" in imported
+    assert not {"torch", "torchvision", "ignite"} & imported
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    expect_one_error_line(result.returncode, "\n".join(errors), [])
+
+
+def test_describe_needs_no_data(tmp_path, monkeypatch, capsys):
+    """--describe builds the run on the recipe's stand-in data: no data set, no download."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["cifar", "--data-dir", "nowhere", "--describe"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("trainer:\n") and "\nevaluator:\n" in out
     assert list(tmp_path.iterdir()) == []
 
 
@@ -138,7 +195,11 @@ def test_make_train_passes_recipe_and_args_through():
 
 BAD_INPUT = {
     "unknown recipe": (["imagenet"], ["unknown recipe 'imagenet'", "available:", "cifar"]),
+    "recipe in capitals": (["CIFAR"], ["unknown recipe 'CIFAR'; did you mean cifar?"]),
+    "recipe cifar10": (["cifar10"], ["unknown recipe 'cifar10'; did you mean cifar?"]),
     "unknown key": (["cifar", "--epoch", "3"], ["unknown key --epoch", "did you mean --epochs"]),
+    "no-switch": (["cifar", "--no-lookahead"], ["unknown key --no-lookahead",
+                                                "say --lookahead false"]),
     "lr negative": (["cifar", "--lr", "-1"], ["--lr", "must be > 0", "-1"]),
     "lr not a number": (["cifar", "--lr", "abc"], ["--lr", "expected a number", "'abc'"]),
     "accum steps 0": (["cifar", "--accum-steps", "0"], ["--accum-steps", ">= 1"]),
@@ -159,7 +220,7 @@ BAD_INPUT = {
     "run name long": (["cifar", "--run-name", "r" * 65], ["--run-name", "at most 64", "65"]),
     "given twice": (["cifar", "--lr", "1", "--lr=2"], ["--lr", "given twice"]),
     "missing value": (["cifar", "--lr"], ["--lr", "missing value"]),
-    "stray word": (["cifar", "lr", "1"], ["unexpected argument 'lr'", "--key value"]),
+    "stray word": (["cifar", "lr", "1"], ["unknown command 'lr'", "--key value"]),
     "resume file": (["cifar", "--resume", "gone.pt"], ["--resume", "'gone.pt' is not a file"]),
     "warmup too long": (["cifar", "--epochs", "2", "--warmup-epochs", "2"],
                         ["--warmup-epochs", "< --epochs 2"]),

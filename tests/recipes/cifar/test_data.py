@@ -15,6 +15,7 @@ from recipes.cifar.data import (
     make_synthetic,
     subset,
 )
+from recipes.common import paths
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 REAL_CIFAR = Path("/work/shared/data/cifar10")
@@ -129,11 +130,18 @@ def test_missing_data_and_failed_download_explain_where_and_how(tmp_path, monkey
     with pytest.raises(DataError) as raised:
         load_cifar10(tmp_path / "data" / "nothing")
     message = str(raised.value)
+    shared, local = paths.data_dir_candidates("cifar10")
+    assert message.startswith(f"no CIFAR-10 found in {shared}") and f", {local}" in message
     assert str(tmp_path / "data" / "nothing") in message and "network unreachable" in message
     assert "train/<class>" in message and "cifar-10-batches-py" in message
+    assert message.endswith("with --data-dir")
     assert list(tmp_path.iterdir()) == []  # the folder the failed download made is gone
-    with pytest.raises(DataError, match="download disabled"):
+    with pytest.raises(DataError) as raised:
         load_cifar10(tmp_path / "nothing", download=False)
+    assert str(raised.value) == (
+        f"no CIFAR-10 found in {tmp_path / 'nothing'} (no such folder): expected image folders "
+        "train/<class>/*.jpg and test/<class>/*.jpg, or the official python batches "
+        "cifar-10-batches-py/; name the folder that holds them with --data-dir")
 
 
 def test_python_batches_are_read_in_torchvision_layout(tmp_path, monkeypatch):

@@ -179,10 +179,10 @@ RUN_GROUPS = ["run", "schedule", "precision", "checkpoints", "health", "spike", 
 def _help_blocks(text: str) -> dict[str, list[str]]:
     """{heading: the flags listed under it}, in the order of the headings."""
     blocks: dict[str, list[str]] = {}
-    for line in text.split("keys (default, meaning):\n", 1)[1].splitlines():
+    for line in text.split("keys (default, meaning)", 1)[1].splitlines()[1:]:
         if line.endswith(":") and not line.startswith(" "):
             heading = blocks.setdefault(line[:-1], [])
-        elif line.strip():
+        elif line.startswith("  --"):  # not a meaning's continuation
             heading.append(line.split()[0])
     return blocks
 
@@ -290,3 +290,42 @@ def test_resume_validates_the_merged_config():
     config, given = parse_args(Sample, [])
     with pytest.raises(ConfigError, match="--mode: 'turbo' is not allowed"):
         resume_overrides(_saved(mode="turbo"), config, given)
+
+
+def test_the_run_keys_choices_are_those_of_the_engine_and_the_handlers():
+    """run_config spells these out so that it imports no torch; a choice added on one side
+    only fails here."""
+    from engine.precision import PRECISIONS
+    from handlers.lr_scheduling import SCHEDULER_NAMES
+    from handlers.spike_guard import WATCH_CHOICES
+    from recipes.runner import run_config
+
+    assert run_config.PRECISIONS == PRECISIONS
+    assert run_config.SCHEDULER_NAMES == SCHEDULER_NAMES
+    assert run_config.WATCH_CHOICES == WATCH_CHOICES
+
+
+def test_no_before_a_switch_gets_the_spelling_that_turns_it_off():
+    with pytest.raises(ConfigError, match=r"^unknown key --no-shuffle; to turn --shuffle off, "
+                                          r"say --shuffle false \(see --help for all keys\)$"):
+        parse_args(Sample, ["--no-shuffle"])
+    with pytest.raises(ConfigError, match=r"^unknown key --no-steps; did you mean --steps\?"):
+        parse_args(Sample, ["--no-steps", "3"])  # not a switch: the nearest keys
+
+
+def test_help_wraps_long_meanings_under_their_first_character():
+    @dataclass
+    class Wordy:
+        depth: int = field(2, " ".join(["layers"] * 30))
+
+    lines = help_text(Wordy, "prog", "", "wordy", width=60).splitlines()
+    entry = lines[next(i for i, line in enumerate(lines) if line.startswith("  --depth")):]
+    assert entry[0].startswith("  --depth  2  layers")
+    assert len(entry) > 2 and all(len(line) <= 60 for line in entry)
+    assert all(line.startswith(" " * len("  --depth  2  ") + "layers") for line in entry[1:])
+    assert " ".join(line.split("  ")[-1].strip() for line in entry) == " ".join(["layers"] * 30)
+
+
+def test_help_shows_an_example():
+    assert help_text(Sample, "prog", "", "sample").splitlines()[1] == (
+        "example: prog --epochs 2 --run-name first-try")
