@@ -73,6 +73,14 @@ def test_a_cifar_run_begins_with_the_checkpoints_weights_and_no_optimizer_state(
     assert parts.optimizer.state_dict()["state"] == {}  # no momentum carried over
     assert trainer.state.iteration == 0 and getattr(trainer.state, "optimizer_step", 0) == 0
 
+    # Through the command line: its steps count from 1, its record names the source.
+    assert main([*CIFAR_TINY, "--run-dir", str(tmp_path / "new"), "--init-from", str(source),
+                 "--checkpoint-every", "1", "--keep-last", "10"]) == 0
+    first = torch.load(tmp_path / "new" / "checkpoints" / "step-00000001.pt", weights_only=True)
+    assert first["meta"]["optimizer_step"] == 1
+    record = json.loads((tmp_path / "new" / "config.json").read_text())["init_from"]
+    assert record["path"] == str(source.resolve())
+
 
 def test_bad_sources_exit_2_with_one_line_and_write_nothing(tmp_path, capsys):
     text = write_text(tmp_path / "corpus.txt")
