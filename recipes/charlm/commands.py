@@ -1,6 +1,8 @@
 """charlm's command besides training and ``evaluate``: ``generate``, text from a trained model
 (nanoGPT's ``sample.py``: a prompt, samples of new bytes, temperature, top-k, a seed)."""
 
+import argparse
+
 import torch
 
 from recipes.runner.api import Recipe
@@ -12,9 +14,13 @@ VOCABULARY = 256  # bytes
 
 
 def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise ValueError(text)
+    """An argument type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
     return value
 
 

@@ -14,7 +14,11 @@ A recipe module ``recipes/<name>/recipe.py`` holds one value, ``RECIPE = Recipe(
   number of processes before anything is written;
 - ``fingerprint(data) -> {split name: fingerprint}``: cheap facts about each split
   (counts, hashes; ``recipes.runner.fingerprint``) stored with the run: a resume on different
-  data is refused, naming what changed.
+  data is refused, naming what changed;
+- optional: ``commands`` (by name, ``command(recipe, args) -> exit code``: what
+  ``python -m recipes <name> <command> <run> ...`` runs besides training and ``evaluate``,
+  ``recipes.runner.commands``) and ``eval_splits`` (the splits besides validation that
+  ``evaluate --split`` can name).
 
 ``recipes.runner.run.run(RECIPE, config, given)`` does the rest (``python -m recipes <name>``
 calls it).

@@ -54,9 +54,13 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def positive_int(text: str) -> int:
-    value = int(text)
+    """An argument type: an integer >= 1 (argparse names the flag in its message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return value
 
 

@@ -230,7 +230,10 @@ def test_generate_is_the_same_text_for_the_same_seed(charlm_run, capsys):
 
 def test_generate_refuses_bad_arguments_in_one_line(charlm_run, capsys):
     for args, fragment in ((["--prompt", ""], "--prompt must not be empty"),
-                           (["--prompt", "x", "--temperature", "0"], "--temperature"),
+                           (["--prompt", "x", "--temperature", "0"],
+                            "--temperature: must be a number > 0, got '0'"),
+                           (["--prompt", "x", "--top-k", "0"],
+                            "--top-k: must be an integer >= 1, got '0'"),
                            ([], "--prompt")):
         code = main(["charlm", "generate", str(charlm_run), *args])
         one_error_line(code, capsys.readouterr().err, fragment)
