@@ -102,6 +102,7 @@ class Progress:
         self._eval_next_line = 0.0
         self._evaluated_epoch = 0  # the epoch of the last evaluation this process ran
         self._warned_divergence = False
+        self._values = ""  # the last report's numbers, which the bar shows with the time left
 
     def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
         if self.mode == "off":
@@ -137,6 +138,7 @@ class Progress:
         stats = report.stats
         values = f"loss {stats['loss_mean']:.4g} lr {stats['lr']:.4g} "
         values += f"grad_norm {stats['grad_norm_mean']:.3g}"
+        self._values = values
         state = self._trainer.state
         # A report may come after its epoch's evaluation (the last one's, at the end).
         eta = f"eta {self._eta(max(state.epoch, self._evaluated_epoch + 1))}"
@@ -200,9 +202,12 @@ class Progress:
         best = best_so_far(evaluations.history, evaluations.best, evaluations.steps_per_epoch)
         if best is not None:
             line += f" | best {evaluations.best.metric} {_number(best[0])} (epoch {best[1]})"
-        line += (f" | elapsed {format_duration(self.time_left.elapsed())}"
-                 f" eta {self._eta(state.epoch + 1)}")
+        eta = self._eta(state.epoch + 1)
+        line += f" | elapsed {format_duration(self.time_left.elapsed())} eta {eta}"
         self._print(line)
+        if self._bar is not None:  # the evaluation just measured changes the time left
+            postfix = f"{self._values}, eta {eta}" if self._values else f"eta {eta}"
+            self._bar.set_postfix_str(postfix, refresh=False)
         self._warn_if_diverging()
 
     def _warn_if_diverging(self) -> None:

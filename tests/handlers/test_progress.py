@@ -195,11 +195,11 @@ def test_the_bar_shows_the_same_time_left_as_the_plain_lines(capsys):
     drawn = stream.getvalue()
     assert "eval epoch 2/3 accuracy 0.6 loss 1.5 | best accuracy 0.6 (epoch 2) | elapsed 5s " \
         "eta 7s" in drawn
-    # The bar's own remaining time is not tqdm's but ours, from the reports.
+    # The bar's own remaining time is not tqdm's but ours, from the reports and evaluations.
     bar_etas = re.findall(r"grad_norm \S+, eta (\S+)\]", drawn)
     scripted_run(mode="plain", resume_from_epoch=1)
     plain_etas = [line.rsplit(" ", 1)[1] for line in capsys.readouterr().out.splitlines()
-                  if line.startswith("epoch ")]
+                  if line.startswith(("epoch ", "eval "))]
     assert bar_etas and set(bar_etas) <= set(plain_etas)
 
 
