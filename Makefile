@@ -15,8 +15,13 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
+# A run stopped by Ctrl-C or SIGTERM (exit 130 or 143) has saved its step and printed the command
+# that continues it: not a make error. The trap keeps the shell waiting for the run when the
+# signal reaches the whole process group (Ctrl-C does), instead of ending before it.
 train: $(STAMP)
-	$(PY) -m recipes $(RECIPE) $(ARGS)
+	$(info $(PY) -m recipes $(RECIPE) $(ARGS))
+	@trap : INT TERM; $(PY) -m recipes $(RECIPE) $(ARGS) || { code=$$?; \
+		[ $$code -eq 130 ] || [ $$code -eq 143 ] || exit $$code; }
 
 test: $(STAMP)
 	$(PY) -m pytest -q

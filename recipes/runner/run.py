@@ -34,11 +34,13 @@ from engine import (
     resolve_precision,
 )
 from handlers import CheckpointError, continue_with_new_settings, optimizer_steps_per_epoch
+from handlers.graceful_stop import EXIT_CODES as STOP_EXIT_CODES
 from handlers.lr_finder import find_lr, plot_lr_find
 from handlers.lr_scheduling import set_new_peak_lr
 from handlers.spike_guard import LossSpikeError
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
 from recipes.runner.config import ConfigError, resume_overrides
+from recipes.runner.continue_run import choose_run, continue_command
 from recipes.runner.console import print_closing, print_header
 from recipes.runner.curves import plot_curves
 from recipes.runner.environment import environment_record
@@ -95,12 +97,20 @@ def run(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
     if launched_by_torchrun():
         with idist.Parallel(backend=_launch(config).backend):  # joins torchrun's group
             return _join_group(recipe, config, given)
+    finished = choose_run(recipe.name, recipe.best, config, given)
+    if finished is not None:
+        print(finished)
+        return 0
     with _locked_setup(recipe, config, given) as started:
         if config.nproc == 1:
-            return train(recipe, config, started)
-        return spawn(train_process, recipe_ref(recipe), dataclasses.asdict(config),
-                     started.run_dir, started.run_id, started.fingerprint,
-                     nproc=config.nproc, backend=_launch(config).backend)
+            exit_code = train(recipe, config, started)
+        else:
+            exit_code = spawn(train_process, recipe_ref(recipe), dataclasses.asdict(config),
+                              started.run_dir, started.run_id, started.fingerprint,
+                              nproc=config.nproc, backend=_launch(config).backend)
+    if exit_code in STOP_EXIT_CODES.values():  # stopped by a signal once its step was saved
+        print(f"stopped; to continue this run: {continue_command()}")
+    return exit_code
 
 
 def _launch(config: RunConfig):

@@ -188,7 +188,8 @@ def test_make_train_passes_recipe_and_args_through():
                             text=True, timeout=60, env={**os.environ, "MAKEFLAGS": ""})
     assert result.returncode == 0
     commands = [line for line in result.stdout.splitlines() if "-m recipes" in line]
-    assert commands == [".venv/bin/python -m recipes cifar --epochs 3 --lr 0.2"]
+    assert commands[0] == ".venv/bin/python -m recipes cifar --epochs 3 --lr 0.2"  # as shown
+    assert "; .venv/bin/python -m recipes cifar --epochs 3 --lr 0.2 || " in commands[1]  # as run
 
 
 # --- bad input: exit 2, one line, nothing on disk -----------------------------------------

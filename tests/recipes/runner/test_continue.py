@@ -1,0 +1,206 @@
+"""The same command again continues its run: a run without ``--run-name`` is found again by
+its keys, a finished one is reported, ``--resume never`` starts anew, a stop prints the
+command that continues it, and ``make train`` takes such a stop for no error."""
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes.__main__ import main
+from recipes.runner.config import parse_args
+from recipes.runner.continue_run import choose_run, continue_command
+from recipes.runner.lock import RunLock
+from recipes.runner.registry import load_recipe
+
+REPO = Path(__file__).resolve().parents[3]
+RUN_RECIPE = REPO / "tests" / "reliability" / "run_recipe.py"  # the command line plus faults
+TIMEOUT_SEC = 600
+# About 16 iterations an epoch on write_text's 600 words.
+CHARLM = ["charlm", "--text", "text.txt", "--val-fraction", "0.2", "--block-size", "8",
+          "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--batch-size", "16",
+          "--progress", "off", "--device", "cpu", "--epochs", "2", "--checkpoint-every", "2"]
+STAMPED = re.compile(r"\d{8}-\d{6}")
+
+
+def write_text(folder: Path) -> None:
+    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if"]
+    picks = torch.randint(len(words), (600,), generator=torch.Generator().manual_seed(0))
+    (folder / "text.txt").write_text(" ".join(words[i] for i in picks.tolist()))
+
+
+def run_command(command: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    clean = {key: value for key, value in os.environ.items()
+             if not key.startswith(("RELIABILITY_", "CKPT_TEST_"))}
+    return subprocess.run(command, cwd=cwd, env=clean | env, capture_output=True, text=True,
+                          timeout=TIMEOUT_SEC)
+
+
+def run_folders(cwd: Path) -> list[str]:
+    root = cwd / "runs" / "charlm"
+    return sorted(path.name for path in root.iterdir()) if root.is_dir() else []
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_a_stopped_run_prints_the_command_that_continues_it_in_the_same_folder(tmp_path):
+    write_text(tmp_path)
+    command = [sys.executable, str(RUN_RECIPE), *CHARLM]
+    stopped = run_command(command, tmp_path, RELIABILITY_SIGNAL_AT="SIGTERM:iteration:5")
+    assert stopped.returncode == 143, stopped.stderr
+    [folder] = run_folders(tmp_path)
+    assert STAMPED.fullmatch(folder)
+    last_line = stopped.stdout.strip().splitlines()[-1]
+    assert last_line == f"stopped; to continue this run: {shlex.join(command)}"
+
+    printed = shlex.split(last_line.partition(": ")[2])
+    continued = run_command(printed, tmp_path)
+    assert continued.returncode == 0, continued.stderr
+    assert f"continuing runs/charlm/{folder} " in continued.stdout
+    assert "resumed from" in continued.stdout
+    assert run_folders(tmp_path) == [folder]
+    summary = json.loads((tmp_path / "runs" / "charlm" / folder / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["epochs_completed"] == 2
+
+
+def test_a_finished_run_is_reported_until_resume_never_starts_a_new_one(tmp_path):
+    write_text(tmp_path)
+    command = [sys.executable, "-m", "recipes", *CHARLM]
+    assert run_command(command, tmp_path).returncode == 0
+    [first] = run_folders(tmp_path)
+    before = digests(tmp_path)
+
+    again = run_command(command, tmp_path)
+    assert again.returncode == 0, again.stderr
+    best = json.loads((tmp_path / "runs" / "charlm" / first / "summary.json").read_text())[
+        "best_val_loss"]
+    assert again.stdout.splitlines() == [
+        f"the run is already complete: runs/charlm/{first} (best validation loss {best:.4g}; "
+        f"runs/charlm/{first}/summary.json)",
+        "to train it again from the start, give --resume never (a new timestamped folder) or "
+        "a --run-name"]
+    assert digests(tmp_path) == before  # nothing written, not even a lock file
+
+    fresh = run_command([*command, "--resume", "never"], tmp_path)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "continuing" not in fresh.stdout and "resumed from" not in fresh.stdout
+    [_, second] = run_folders(tmp_path)  # in the same second as the first, it is <first>-2
+    reported = run_command(command, tmp_path)  # the newest run of the command
+    assert f"the run is already complete: runs/charlm/{second} " in reported.stdout
+
+
+# --- choosing the folder, in this process (nothing trained) --------------------------------
+
+
+def charlm_config(*extra: str):
+    recipe = load_recipe("charlm")
+    config, given = parse_args(recipe.config, [*CHARLM[1:], *extra])
+    return recipe, config, given
+
+
+def fake_run(cwd: Path, name: str, config, status: str | None = None) -> Path:
+    """A run folder as a start of ``config`` leaves it: config.json, and a summary."""
+    folder = cwd / "runs" / "charlm" / name
+    folder.mkdir(parents=True)
+    saved = dataclasses.asdict(config) | {"run_dir": f"runs/charlm/{name}"}
+    (folder / "config.json").write_text(json.dumps({"run_id": name, "config": saved}))
+    if status is not None:
+        (folder / "summary.json").write_text(json.dumps({"status": status,
+                                                         "best_val_loss": 1.5}))
+    return folder
+
+
+def test_the_newest_run_with_the_same_keys_is_continued(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    recipe, config, given = charlm_config()
+    _, other, _ = charlm_config("--lr", "0.01")
+    fake_run(tmp_path, "20260101-000000", config, "interrupted by SIGTERM")
+    fake_run(tmp_path, "20260102-000000", config, "interrupted by SIGTERM")
+    fake_run(tmp_path, "20260103-000000", other)  # newer, other keys
+    (tmp_path / "runs" / "charlm" / "20260104-000000").mkdir()  # no config.json: unknown
+    fake_run(tmp_path, "named", config)  # not a timestamp: only --run-name continues it
+
+    assert choose_run("charlm", recipe.best, config, given) is None
+    assert config.run_dir == "runs/charlm/20260102-000000"
+    assert capsys.readouterr().out.startswith("continuing runs/charlm/20260102-000000 ")
+
+
+@pytest.mark.parametrize("extra", [("--resume", "never"), ("--lr", "0.01")])
+def test_resume_never_or_other_keys_make_a_new_folder(extra, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    recipe, config, given = charlm_config(*extra)
+    fake_run(tmp_path, "20260101-000000", charlm_config()[1], "interrupted by SIGTERM")
+
+    assert choose_run("charlm", recipe.best, config, given) is None
+    assert STAMPED.fullmatch(Path(config.run_dir).name) and config.run_dir != (
+        "runs/charlm/20260101-000000")
+    assert capsys.readouterr().out == ""
+    assert run_folders(tmp_path) == ["20260101-000000"]  # choosing creates nothing
+
+
+def test_a_new_folder_never_reuses_a_timestamp_taken_in_the_same_second(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda _: "20260101-000000")
+    recipe, config, given = charlm_config("--resume", "never")
+    fake_run(tmp_path, "20260101-000000", config)
+    fake_run(tmp_path, "20260101-000000-2", config)
+    choose_run("charlm", recipe.best, config, given)
+    assert config.run_dir == "runs/charlm/20260101-000000-3"
+
+
+def test_a_named_run_is_left_to_the_run_layer(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe, config, given = charlm_config("--run-name", "mine")
+    fake_run(tmp_path, "20260101-000000", charlm_config()[1], "completed")
+    assert choose_run("charlm", recipe.best, config, given) is None
+    assert config.run_dir == ""
+
+
+def test_a_run_in_use_by_another_process_is_refused_by_its_lock(tmp_path, monkeypatch,
+                                                                capsys):
+    monkeypatch.chdir(tmp_path)
+    write_text(tmp_path)
+    _, config, _ = charlm_config()
+    folder = fake_run(tmp_path, "20260101-000000", config, "interrupted by SIGTERM")
+    with RunLock(folder):  # another process is continuing it
+        code = main(CHARLM)
+    out, err = capsys.readouterr()
+    assert code == 2 and "is in use by" in err and "runs/charlm/20260101-000000" in err
+    assert out.startswith("continuing runs/charlm/20260101-000000 ")
+
+
+def test_the_continue_command_leaves_out_the_resume_request(monkeypatch):
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "recipes", "cifar", "--resume",
+                                           "never", "--epochs", "3", "--resume=old.pt",
+                                           "--run-name", "a b"])
+    assert continue_command() == "python -m recipes cifar --epochs 3 --run-name 'a b'"
+
+
+# --- make train --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exit_code, an_error", [(0, False), (130, False), (143, False),
+                                                 (2, True), (1, True)])
+def test_make_train_takes_a_stop_by_signal_for_no_error(exit_code, an_error, tmp_path):
+    """A stand-in for the interpreter exits with the code given as the recipe's name."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexit $3\n")  # $1 $2 are -m recipes
+    python.chmod(0o755)
+    done = subprocess.run(["make", "--no-print-directory", "train", f"PY={python}", "STAMP=",
+                           f"RECIPE={exit_code}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "MAKEFLAGS": ""})
+    assert done.returncode == (2 if an_error else 0)  # make's own code for a failed recipe
+    error = re.fullmatch(rf"make: \*\*\* \[Makefile:\d+: train\] Error {exit_code}\n", done.stderr)
+    assert bool(error) if an_error else done.stderr == "", done.stderr
