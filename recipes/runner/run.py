@@ -40,8 +40,8 @@ from handlers.lr_scheduling import set_new_peak_lr
 from handlers.spike_guard import LossSpikeError
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
 from recipes.runner.config import ConfigError, resume_overrides
-from recipes.runner.continue_run import choose_run, continue_command
 from recipes.runner.console import print_closing, print_header
+from recipes.runner.continue_run import choose_run, continue_command
 from recipes.runner.curves import plot_curves
 from recipes.runner.environment import environment_record
 from recipes.runner.errors import USER_ERRORS
