@@ -363,15 +363,15 @@ def _follow_new_lr_and_length(config: RunConfig, saved: dict, trainer: Trainer,
 
 def _write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
                    started: Started, status: str, environment: dict[str, Any]) -> int:
-    """Print and write ``summary.json`` (with the environment record) and the curves; 4
-    when the disk refuses them."""
+    """Print the closing lines, write ``summary.json`` (with the environment record) and the
+    curves; 4 when the disk refuses them."""
     history, early_stopping = handlers.history, handlers.early_stopping
     history.stopped_early = bool(early_stopping and early_stopping.stopped_early)
     summary = {"status": status, "run_id": started.run_id, **history.summary(trainer)}
     if handlers.spike_guard is not None:
         summary |= handlers.spike_guard.summary()
     print_closing(recipe.name, summary, started.run_dir, handlers)
-    summary["environment"] = environment  # in the file only: the printed summary stays short
+    summary["environment"] = environment
     try:  # the disk that failed a checkpoint may fail these too: the checkpoints matter
         write_json_atomic(started.run_dir / "summary.json", summary)
         plot_curves(history, started.run_dir / "curves.png",
