@@ -1,14 +1,17 @@
-"""charlm's command besides training and ``evaluate``: ``generate``, text from a trained model
-(nanoGPT's ``sample.py``: a prompt, samples of new bytes, temperature, top-k, a seed)."""
+"""charlm's commands besides training and ``evaluate``: ``generate``, text from a trained model
+(nanoGPT's ``sample.py``: a prompt, samples of new bytes, temperature, top-k, a seed), and
+``export``."""
 
 import argparse
 
 import torch
+from torch.export import Dim
 
 from recipes.runner.api import Recipe
 from recipes.runner.commands import CommandParser, positive_int
 from recipes.runner.config import ConfigError
-from recipes.runner.trained import load_trained
+from recipes.runner.export import Exportable, export_command
+from recipes.runner.trained import Trained, load_trained
 
 VOCABULARY = 256  # bytes
 
@@ -58,4 +61,19 @@ def generate(recipe: Recipe, args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"generate": generate}
+def rebuild_facts(trained: Trained) -> dict:
+    """``recipes.charlm.model.GPT(vocab_size, block_size, n_layer, n_head, n_embd)``; its
+    input is byte values as int64 ids, at most ``block_size`` of them."""
+    config = trained.config
+    return {"model": "GPT", "vocab_size": VOCABULARY, "block_size": config.block_size,
+            "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd}
+
+
+def batch_and_time(trained: Trained) -> dict[int, Dim]:
+    return {0: Dim("batch", min=1), 1: Dim("time", min=1, max=trained.config.block_size)}
+
+
+# A validation window holds block_size + 1 bytes: the model sees all but the last.
+COMMANDS = {"generate": generate,
+            "export": export_command(Exportable(lambda batch: batch[:, :-1], rebuild_facts,
+                                                batch_and_time))}

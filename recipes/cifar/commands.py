@@ -1,14 +1,15 @@
-"""CIFAR's commands besides training and ``evaluate``: ``predict``, and the training split
-for ``evaluate --split training``."""
+"""CIFAR's commands besides training and ``evaluate``: ``predict`` and ``export``, and the
+training split for ``evaluate --split training``."""
 
 import dataclasses
 
 import torch
 from torchvision.transforms import v2
 
-from recipes.cifar.batches import EvalBatches
+from recipes.cifar.batches import CIFAR10_MEAN, CIFAR10_STD, EvalBatches
 from recipes.cifar.data import IMAGE_SHAPE, CifarArrays
 from recipes.common.predict import predict_command
+from recipes.runner.export import Exportable, export_command
 from recipes.runner.trained import Trained
 
 
@@ -29,5 +30,15 @@ def training_split(arrays: CifarArrays) -> CifarArrays:
                                test_labels=arrays.train_labels)
 
 
-COMMANDS = {"predict": predict_command(image_batch, lambda arrays: arrays.classes)}
+def rebuild_facts(trained: Trained) -> dict:
+    """``recipes.cifar.model.build_model(model, num_classes)`` and its input: images of
+    ``image_size`` px, ``(x / 255 - mean) / std`` per channel."""
+    classes = list(trained.data.classes)
+    return {"model": trained.config.model, "num_classes": len(classes), "classes": classes,
+            "image_size": IMAGE_SHAPE[-1], "mean": list(CIFAR10_MEAN), "std": list(CIFAR10_STD),
+            "channels_last": trained.config.channels_last}
+
+
+COMMANDS = {"predict": predict_command(image_batch, lambda arrays: arrays.classes),
+            "export": export_command(Exportable(lambda batch: batch[0], rebuild_facts))}
 EVAL_SPLITS = {"training": training_split}

@@ -1,5 +1,5 @@
-"""The image-folder recipe's commands besides training and ``evaluate``: ``predict``, and the
-training split for ``evaluate --split training``."""
+"""The image-folder recipe's commands besides training and ``evaluate``: ``predict`` and
+``export``, and the training split for ``evaluate --split training``."""
 
 import dataclasses
 from typing import TYPE_CHECKING
@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from recipes.common.predict import predict_command
+from recipes.images.config import SMALL_IMAGE_MAX
 from recipes.images.data import eval_transform
+from recipes.runner.export import Exportable, export_command
 from recipes.runner.trained import Trained
 
 if TYPE_CHECKING:  # the recipe imports this module
@@ -29,5 +31,17 @@ def training_split(data: "ImageData") -> "ImageData":
                                                                  val=data.folders.train))
 
 
-COMMANDS = {"predict": predict_command(image_batch, lambda data: data.folders.classes)}
+def rebuild_facts(trained: Trained) -> dict:
+    """torchvision's ``model`` with ``num_classes`` outputs (``stem`` cifar: as
+    ``recipes.images.recipe.build_classifier`` makes it for small images) and its input:
+    images resized and centre-cropped to ``image_size`` px, ``(x / 255 - mean) / std``."""
+    data = trained.data
+    small = data.pretrained is None and data.image_size <= SMALL_IMAGE_MAX
+    return {"model": trained.config.model, "num_classes": len(data.folders.classes),
+            "classes": list(data.folders.classes), "stem": "cifar" if small else "torchvision",
+            "image_size": data.image_size, "mean": list(data.mean), "std": list(data.std)}
+
+
+COMMANDS = {"predict": predict_command(image_batch, lambda data: data.folders.classes),
+            "export": export_command(Exportable(lambda batch: batch[0], rebuild_facts))}
 EVAL_SPLITS = {"training": training_split}

@@ -1,9 +1,10 @@
 """Commands next to training: ``python -m recipes <recipe> <command> <run or checkpoint> ...``.
 
-Every recipe has ``evaluate``; a recipe adds its own in ``Recipe.commands`` (cifar and
-images: ``predict``, charlm: ``generate``). Each loads the trained model through
-``recipes.runner.trained.load_trained`` and writes nothing in the run folder except
-``evaluate``'s JSON in ``<run>/evaluations/``.
+Every recipe has ``evaluate``; a recipe adds its own in ``Recipe.commands`` (every recipe:
+``export``, ``recipes.runner.export``; cifar and images: ``predict``, charlm: ``generate``).
+Each loads the trained model through ``recipes.runner.trained.load_trained`` and writes nothing
+in the run folder except ``evaluate``'s JSON in ``<run>/evaluations/`` and ``export``'s files
+in ``<run>/export/``.
 """
 
 import argparse
@@ -35,10 +36,12 @@ def run_command(recipe: Recipe, name: str, args: list[str]) -> int:
 
 
 class CommandParser(argparse.ArgumentParser):
-    """A command's arguments: the run or checkpoint, ``--checkpoint`` and ``--device``, and
-    the command's own; a mistake raises ``ConfigError`` (one line, exit 2)."""
+    """A command's arguments: the run or checkpoint, ``--checkpoint`` and ``--device``
+    (default ``device``; None: the run's own), and the command's own; a mistake raises
+    ``ConfigError`` (one line, exit 2)."""
 
-    def __init__(self, recipe: Recipe, command: str, description: str) -> None:
+    def __init__(self, recipe: Recipe, command: str, description: str,
+                 device: str | None = None) -> None:
         super().__init__(prog=f"python -m recipes {recipe.name} {command}",
                          description=description)
         self.command = command
@@ -46,8 +49,9 @@ class CommandParser(argparse.ArgumentParser):
                           help="a run folder (runs/<recipe>/<name>) or a checkpoint .pt file")
         self.add_argument("--checkpoint", choices=CHECKPOINTS, default="best",
                           help="which checkpoint of a run folder (default: best)")
-        self.add_argument("--device", default=None,
-                          help="cpu | cuda | cuda:N | auto (default: the run's own)")
+        shown = device or "the run's own"
+        self.add_argument("--device", default=device,
+                          help=f"cpu | cuda | cuda:N | auto (default: {shown})")
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{self.command}: {message}")
