@@ -81,6 +81,14 @@ def load_data(config: Config) -> ImageData:
     return ImageData(folders, size, *channel_stats(folders.train, size), pretrained)
 
 
+def stand_in_data(config: Config) -> ImageData:
+    """Two classes of files that are never read, for ``--describe``: the wiring needs the
+    class count and the batch counts, not the images, so it is shown without the tree."""
+    samples = [(Path(f"stand-in-{index}.png"), index % 2) for index in range(2 * config.batch_size)]
+    folders = ImageFolders(Path("stand-in"), ["a", "b"], samples, samples[:2], "stand-in", [])
+    return ImageData(folders, config.image_size or 32, IMAGENET_MEAN, IMAGENET_STD)
+
+
 def build_classifier(name: str, num_classes: int, small_images: bool) -> nn.Module:
     """An untrained torchvision model. For small images, a CIFAR-style stem: the first
     conv becomes 3x3 with stride 1 and a max-pool right after it (before the next conv)
@@ -144,4 +152,5 @@ RECIPE = Recipe(
     build=build, metrics={"accuracy": "max", "loss": "min"}, best="accuracy",
     sample_counts=lambda data: (len(data.folders.train), len(data.folders.val)),
     commands=COMMANDS, eval_splits=EVAL_SPLITS,
-    fingerprint=fingerprint, data_source=lambda config: str(data_folder(config)))
+    fingerprint=fingerprint, data_source=lambda config: str(data_folder(config)),
+    stand_in_data=stand_in_data)

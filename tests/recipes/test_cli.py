@@ -172,10 +172,11 @@ def test_a_mistake_on_the_command_line_is_answered_before_torch_loads(args, tmp_
     expect_one_error_line(result.returncode, "\n".join(errors), [])
 
 
-def test_describe_needs_no_data(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("recipe", ["cifar", "images"])
+def test_describe_needs_no_data(recipe, tmp_path, monkeypatch, capsys):
     """--describe builds the run on the recipe's stand-in data: no data set, no download."""
     monkeypatch.chdir(tmp_path)
-    assert main(["cifar", "--data-dir", "nowhere", "--describe"]) == 0
+    assert main([recipe, "--data-dir", "nowhere", "--describe"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("trainer:\n") and "\nevaluator:\n" in out
     assert list(tmp_path.iterdir()) == []
