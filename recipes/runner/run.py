@@ -209,23 +209,38 @@ def _data_change(saved: dict | None, fingerprint: dict[str, Any], allowed: bool)
 
 
 def _join_group(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
-    """Rank 0 checks everything, locks and writes the run folder, then tells every rank the
-    run (or the user error, so that all exit 2); each trains."""
+    """Rank 0 chooses the run folder (the same command again continues its run), checks
+    everything, locks and writes the folder, then tells every rank the run (or that it is
+    already complete, so that all exit 0, or the user error, so that all exit 2); each trains."""
     started, lock = "", None
     if idist.get_rank() == 0:
         try:
-            lock = RunLock(resolve_run_dir(recipe.name, config.run_name, config.run_dir))
-            ready = setup(recipe, config, given, lock)
-            started = json.dumps({"run_dir": str(ready.run_dir), "run_id": ready.run_id,
-                                  "data": ready.fingerprint, "config": dataclasses.asdict(config)})
+            finished = choose_run(recipe.name, recipe.best, config, given)  # sets run_dir
+            if finished is not None:
+                started = json.dumps({"complete": finished})
+            else:
+                lock = RunLock(resolve_run_dir(recipe.name, config.run_name, config.run_dir))
+                ready = setup(recipe, config, given, lock)
+                started = json.dumps({"run_dir": str(ready.run_dir), "run_id": ready.run_id,
+                                      "data": ready.fingerprint,
+                                      "config": dataclasses.asdict(config)})
         except USER_ERRORS as error:
             started = json.dumps({"error": str(error)})
     started = json.loads(idist.broadcast(started, src=0))
     if "error" in started:
         raise ConfigError(started["error"])
+    if "complete" in started:
+        if idist.get_rank() == 0:
+            print(started["complete"])
+        return 0
     try:
-        return train_process(idist.get_local_rank(), recipe_ref(recipe), started["config"],
-                             Path(started["run_dir"]), started["run_id"], started["data"])
+        exit_code = train_process(idist.get_local_rank(), recipe_ref(recipe), started["config"],
+                                  Path(started["run_dir"]), started["run_id"], started["data"])
+        if exit_code in STOP_EXIT_CODES.values():  # rank 0's: the others return 0
+            # sys.orig_argv here is this worker's, not the torchrun command that started it
+            print("stopped; to continue this run, run the same torchrun command again "
+                  f"(or add --run-dir {started['run_dir']})")
+        return exit_code
     finally:
         if lock is not None:
             lock.release()

@@ -21,6 +21,7 @@ from recipes.runner.config import parse_args
 from recipes.runner.continue_run import choose_run, continue_command
 from recipes.runner.lock import RunLock
 from recipes.runner.registry import load_recipe
+from recipes.runner.run import _join_group
 
 REPO = Path(__file__).resolve().parents[3]
 RUN_RECIPE = REPO / "tests" / "reliability" / "run_recipe.py"  # the command line plus faults
@@ -211,3 +212,49 @@ def test_make_train_takes_a_stop_by_signal_for_no_error(exit_code, an_error, tmp
     assert done.returncode == (2 if an_error else 0)  # make's own code for a failed recipe
     error = re.fullmatch(rf"make: \*\*\* \[Makefile:\d+: train\] Error {exit_code}\n", done.stderr)
     assert bool(error) if an_error else done.stderr == "", done.stderr
+
+
+# --- torchrun: rank 0 chooses, every rank follows ---------------------------------------
+
+
+def test_under_torchrun_rank_zero_reports_a_finished_run_and_the_group_trains_nothing(
+        tmp_path, monkeypatch, capsys):
+    """``_join_group`` without a group (rank 0 of one): no text.txt, so loading data fails."""
+    monkeypatch.chdir(tmp_path)
+    recipe, config, given = charlm_config()
+    folder = fake_run(tmp_path, "20260101-000000", config, "completed")
+    before = digests(folder)
+    assert _join_group(recipe, config, given) == 0
+    assert capsys.readouterr().out.startswith(
+        "the run is already complete: runs/charlm/20260101-000000 ")
+    assert digests(folder) == before and run_folders(tmp_path) == ["20260101-000000"]
+
+
+@pytest.mark.slow
+def test_the_same_torchrun_command_again_continues_its_run_then_reports_it_complete(tmp_path):
+    write_text(tmp_path)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc-per-node=2", str(RUN_RECIPE), *CHARLM]
+    env = {"PYTHONPATH": str(REPO)}
+    stopped = run_command(command, tmp_path, RELIABILITY_SIGNAL_AT="SIGTERM:iteration:5", **env)
+    assert stopped.returncode != 0
+    [folder] = run_folders(tmp_path)
+    assert STAMPED.fullmatch(folder)
+    assert stopped.stdout.count("stopped; to continue this run, run the same torchrun command "
+                                f"again (or add --run-dir runs/charlm/{folder})") == 1, \
+        stopped.stdout + stopped.stderr
+
+    continued = run_command(command, tmp_path, **env)
+    assert continued.returncode == 0, continued.stderr
+    assert continued.stdout.count(f"continuing runs/charlm/{folder} ") == 1
+    assert "resumed from" in continued.stdout
+    assert run_folders(tmp_path) == [folder]
+    run_dir = tmp_path / "runs" / "charlm" / folder
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["epochs_completed"] == 2
+
+    before = digests(run_dir)
+    reported = run_command(command, tmp_path, **env)
+    assert reported.returncode == 0, reported.stderr
+    assert reported.stdout.count(f"the run is already complete: runs/charlm/{folder} ") == 1
+    assert digests(run_dir) == before and run_folders(tmp_path) == [folder]
