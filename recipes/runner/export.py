@@ -1,12 +1,14 @@
-"""``python -m recipes <recipe> export <run or checkpoint> [--format pt2|safetensors]``: the
-trained model as a file that loads without this project.
+"""``python -m recipes <recipe> export <run or checkpoint> [--format pt2|safetensors|onnx]``:
+the trained model as a file that loads without this project.
 
 ``pt2`` (default) is ``torch.export`` of the model in eval mode: its forward without test-time
 augmentation, in fp32, on the input the evaluator gives it (normalised images, or byte ids),
 with a dynamic batch dimension (and charlm's sequence length up to its block size); it loads
 with ``torch.export.load(path).module()`` and needs torch only. ``safetensors`` is the weights
 the run evaluated (the averaged ones with ``--averaging``) in the pickle-free format any
-framework reads, to load into the recipe's model class. Each is written with
+framework reads, to load into the recipe's model class. ``onnx`` is that ``pt2`` program
+converted to ONNX, with the same dynamic dimensions, for onnxruntime and other ONNX runtimes;
+it needs the optional ``onnx`` extra (``recipes.runner.export_onnx``). Each is written with
 ``<file>.json`` next to it: what rebuilds the model and prepares its input (model name and
 shape keys, class names, normalisation, image size or block size) and the input's shape.
 
@@ -28,10 +30,11 @@ from torch.export import Dim
 from handlers.atomic_write import write_atomically
 from recipes.runner.api import Recipe
 from recipes.runner.commands import CommandParser, output_path
+from recipes.runner.export_onnx import largest_onnx_difference, require_onnx, to_onnx
 from recipes.runner.folder import write_json_atomic
 from recipes.runner.trained import Trained, load_trained
 
-FORMATS = {"pt2": ".pt2", "safetensors": ".safetensors"}
+FORMATS = {"pt2": ".pt2", "safetensors": ".safetensors", "onnx": ".onnx"}
 CHECKED_SAMPLES = 256  # of the first validation batch, run through both the model and its export
 
 
@@ -65,12 +68,15 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
                                device="cpu")
         parser.add_argument("--format", choices=FORMATS, default="pt2",
                             help="pt2: torch.export program (torch.export.load); safetensors: "
-                            "the weights (default: pt2)")
+                            "the weights; onnx: the pt2 program as ONNX (needs the onnx extra) "
+                            "(default: pt2)")
         parser.add_argument("--out", default=None,
                             help="the file to write (default: <run>/export/<checkpoint>"
                             ".<format>); its JSON goes next to it as <file>.json")
         options = parser.parse_args(args)
         suffix = FORMATS[options.format]
+        if options.format == "onnx":
+            require_onnx()
         out = None if options.out is None else output_path(options.out, (suffix,))
         trained = load_trained(recipe, options.source, options.checkpoint, options.device)
         if out is None:
@@ -91,6 +97,17 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
             print(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
                   f"{facts['optimizer_step']}) with torch.export on {trained.device}: largest "
                   f"|difference| from the model on {min(len(inputs), CHECKED_SAMPLES)} "
+                  f"validation samples {difference:.1e}")
+        elif options.format == "onnx":
+            dims = exportable.dynamic(trained)
+            onnx_model = to_onnx(export_program(trained.parts.model, inputs, dims))
+            difference = largest_onnx_difference(trained.parts.model, onnx_model,
+                                                 inputs[:CHECKED_SAMPLES])
+            write_atomically(out, lambda file: file.write(onnx_model))
+            facts["input"] = input_description(inputs, dims)
+            print(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
+                  f"{facts['optimizer_step']}) as ONNX on {trained.device}: largest |difference| "
+                  f"under onnxruntime from the model on {min(len(inputs), CHECKED_SAMPLES)} "
                   f"validation samples {difference:.1e}")
         else:
             tensors = weights(trained.parts.model)

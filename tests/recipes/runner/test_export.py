@@ -216,7 +216,7 @@ def test_bad_runs_checkpoints_and_options_are_one_line_exit_2_and_write_nothing(
         (["cifar", str(corrupt)], "checksum mismatch"),
         (["cifar", str(truncated)], "truncated"),
         (["cifar", str(no_best)], "best.pt: no such checkpoint"),
-        (["cifar", str(cifar), "--format", "onnx"], "--format: invalid choice: 'onnx'"),
+        (["cifar", str(cifar), "--format", "tflite"], "--format: invalid choice: 'tflite'"),
         (["cifar", str(cifar), "--out", str(tmp_path / "x.pt")], "must end in .pt2"),
         (["cifar", str(cifar), "--format", "safetensors", "--out",
           str(tmp_path / "x.pt2")], "must end in .safetensors"),
