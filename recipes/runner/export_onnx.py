@@ -6,7 +6,6 @@ missing instead of failing on an import.
 
 import importlib
 
-import numpy as np
 import torch
 
 from recipes.runner.config import ConfigError
@@ -26,7 +25,8 @@ def require_onnx() -> None:
 
 
 def to_onnx(program: torch.export.ExportedProgram) -> bytes:
-    """The serialised ONNX model of ``program``; its dynamic dimensions stay dynamic."""
+    """The serialised ONNX model of ``program``; its dynamic dimensions stay dynamic. One
+    protobuf, weights inside: enough for these recipes' models (protobuf's limit is 2 GB)."""
     with torch.no_grad():
         converted = torch.onnx.export(program, dynamo=True, verbose=False)
     return converted.model_proto.SerializeToString()
@@ -34,11 +34,12 @@ def to_onnx(program: torch.export.ExportedProgram) -> bytes:
 
 def run_onnx(model: bytes, inputs: torch.Tensor) -> torch.Tensor:
     """``model``'s output on ``inputs`` under onnxruntime, on the CPU."""
-    import onnxruntime
+    import onnxruntime  # the optional extra: imported once require_onnx found it
 
     session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
-    (output,) = session.run(None, {session.get_inputs()[0].name: inputs.cpu().contiguous().numpy()})
-    return torch.from_numpy(np.asarray(output))
+    feed = {session.get_inputs()[0].name: inputs.cpu().contiguous().numpy()}
+    (output,) = session.run(None, feed)
+    return torch.from_numpy(output)
 
 
 def largest_onnx_difference(model: torch.nn.Module, onnx_model: bytes,
