@@ -38,7 +38,11 @@ def _usage() -> str:
     lines += ["", "<recipe> may also be the path of a recipe file (my_task.py).",
               "`python -m recipes <recipe> --help` lists every key with its default;",
               "`python -m recipes <recipe> --describe` prints the run's events and handlers;",
-              "`python -m recipes <recipe> --lr-find` suggests a peak --lr (LR range test)."]
+              "`python -m recipes <recipe> --lr-find` suggests a peak --lr (LR range test).",
+              "", "after training (each with --help):",
+              "  python -m recipes <recipe> evaluate|export <run folder or checkpoint>",
+              "  python -m recipes cifar|images predict <run> FILE_OR_FOLDER...",
+              "  python -m recipes charlm generate <run> --prompt TEXT"]
     return "\n".join(lines)
 
 
