@@ -21,6 +21,7 @@ from engine import create_evaluator
 from recipes.__main__ import main
 from recipes.runner.registry import load_recipe
 from recipes.runner.trained import load_trained
+from tests.recipes.runner.test_run import one_error_line
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
@@ -42,14 +43,6 @@ def digests(folder: Path) -> dict[str, bytes]:
     """Every file of a run folder but evaluate's JSON (and TensorBoard's, unchanged anyway)."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
             if p.is_file() and "evaluations" not in p.parts}
-
-
-def one_error_line(code: int, err: str, *fragments: str) -> str:
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 def recorded(run_dir: Path) -> dict[str, float]:
