@@ -57,6 +57,7 @@ from recipes.runner.launch import (
     spawn,
 )
 from recipes.runner.lock import RunLock
+from recipes.runner.profiling import attach_profiler, check_profile_window
 from recipes.runner.registry import load_recipe, recipe_ref
 from recipes.runner.resume_request import (
     check_resume_file,
@@ -166,6 +167,7 @@ def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | No
     if config.batch_size > n_train:
         raise ConfigError(f"--batch-size {config.batch_size} exceeds the {n_train} training "
                           "samples")
+    check_profile_window(config, n_train)
     # Every process needs a validation sample: the first evaluation forward of a DDP model
     # is a collective (it broadcasts rank 0's BatchNorm statistics to all).
     if n_val < launch.world_size:
@@ -303,6 +305,8 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started
     evaluation = Evaluation(parts.val_batches, config.eval_every, config.epochs,
                             before=parts.before_evaluation, forwards=parts.evaluation_forwards)
     handlers = attach_standard_handlers(trainer, evaluator, config, site, evaluation, extra)
+    if ctx.rank == 0:  # one trace: the other ranks run the same steps
+        attach_profiler(config, trainer, started.run_dir, ctx.device)
     return trainer, evaluator, parts, handlers
 
 

@@ -36,6 +36,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 PROGRESS = ("auto", "bar", "plain", "off")
 AVERAGING = ("none", "ema", "swa")
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+PROFILE_WINDOW = re.compile(r"([0-9]+):([0-9]+)")
 
 run_key = partial(field, group="run")
 schedule_key = partial(field, group="schedule")
@@ -59,6 +60,21 @@ def check_run_name(name: str) -> str | None:
             "and must start with a letter or digit"
         )
     return None
+
+
+def profile_window(text: str) -> tuple[int, int] | None:
+    """``--profile START:STOP`` as (start, stop); None for "" (off) or a malformed window."""
+    match = PROFILE_WINDOW.fullmatch(text)
+    if match is None or int(match[1]) >= int(match[2]):
+        return None
+    return int(match[1]), int(match[2])
+
+
+def _check_profile(value: str) -> str | None:
+    if value == "" or profile_window(value) is not None:
+        return None
+    return (f"must be START:STOP optimizer steps with 0 <= START < STOP (e.g. 10:20), "
+            f"got {value!r}")
 
 
 def _check_resume(value: str) -> str | None:
@@ -94,6 +110,9 @@ class RunConfig:
     log_every: int = run_key(10, "report training statistics every N optimizer steps", min=1,
                              fixed_on_resume=True)
     progress: str = run_key("auto", "progress display", choices=PROGRESS)
+    profile: str = run_key("", "torch.profiler over optimizer steps START:STOP (e.g. 10:20: "
+                           "steps 11 to 20): profile/trace.json.gz in the run folder and the "
+                           "top operators printed (empty: off)", check=_check_profile)
     run_name: str = run_key("", "run folder runs/<recipe>/<run_name> (default: a timestamp)",
                             check=check_run_name)
     run_dir: str = run_key("", "any run folder (overrides run_name)")

@@ -1,0 +1,88 @@
+"""``torch.profiler`` over a window of optimizer steps: a trace and the top operators."""
+
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from ignite.engine import Engine, Events
+from torch.profiler import ProfilerActivity, profile
+from tqdm import tqdm
+
+from engine import Trainer, TrainEvents
+from handlers.arguments import check_int
+
+TOP_OPERATORS = 10  # lines of the table printed when the window ends
+
+
+class StepProfiler:
+    """Profiles optimizer steps ``start + 1`` to ``stop`` (``start:stop`` counts steps as
+    a slice does: ``0:10`` is the run's first ten) with ``torch.profiler``: CPU activity,
+    and CUDA's when ``cuda``. When the window ends it writes ``trace_path`` (Chrome's trace
+    format, gzipped when the name ends in ``.gz``; Perfetto and ``chrome://tracing`` open
+    it) and prints the ``top`` operators by self time (the device's with ``cuda``).
+
+    ``attach(trainer, evaluator=None)`` registers on the trainer:
+    - ``Events.STARTED`` and ``TrainEvents.OPTIMIZER_STEP``: the window opens once
+      ``optimizer_step`` reaches ``start`` (at once for ``start`` 0, or for a run resumed
+      inside the window), and each step is marked (``ProfilerStep#N`` in the trace); the
+      window closes at step ``stop``, after which the handler removes itself;
+    - ``Events.COMPLETED`` and ``Events.TERMINATE``: a window the run ends inside (a
+      stop, or fewer steps than ``stop``) closes there with what it holds.
+
+    A step's ``OPTIMIZER_STEP`` fires as the next micro-batch starts (``engine.trainer``), so
+    the window holds whole steps: data loading, forward, backward, the update, and an
+    evaluation that falls inside. A run that ends by an error writes no trace.
+    """
+
+    def __init__(self, start: int, stop: int, trace_path: str | Path, *, cuda: bool = False,
+                 top: int = TOP_OPERATORS, stream: TextIO | None = None) -> None:
+        check_int("start", start, 0, "optimizer steps")
+        check_int("stop", stop, start + 1, "optimizer steps")
+        check_int("top", top, 1, "operators")
+        self.start, self.stop, self.trace_path = start, stop, Path(trace_path)
+        self.cuda, self.top, self.stream = cuda, top, stream
+        self._profiler: profile | None = None
+        self._first_step = 0
+        self.done = False
+
+    def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
+        trainer.add_event_handler(Events.STARTED, self._on_step)
+        trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP, self._on_step)
+        trainer.add_event_handler(Events.COMPLETED, self._finish)
+        trainer.add_event_handler(Events.TERMINATE, self._finish)
+
+    def _on_step(self, trainer: Engine) -> None:
+        step = trainer.state.optimizer_step
+        if self._profiler is not None:
+            self._profiler.step()
+            if step >= self.stop:
+                self._finish(trainer)
+        elif not self.done and self.start <= step < self.stop:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._profiler = profile(activities=activities)
+            self._profiler.start()
+            self._first_step = step + 1
+
+    def _finish(self, trainer: Engine) -> None:
+        if self._profiler is None:
+            return
+        profiler, self._profiler, self.done = self._profiler, None, True
+        profiler.stop()
+        for event in (Events.STARTED, TrainEvents.OPTIMIZER_STEP):  # nothing left to do
+            trainer.remove_event_handler(self._on_step, event)
+        self.trace_path.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(self.trace_path))
+        last = trainer.state.optimizer_step
+        for line in self.summary(profiler, self._first_step, last):
+            tqdm.write(line, file=self.stream or sys.stdout)  # above an open progress bar
+
+    def summary(self, profiler: profile, first: int, last: int) -> list[str]:
+        """A heading and the ``top`` operators by self time, one line each."""
+        clock = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        operators = sorted(profiler.key_averages(), key=lambda op: getattr(op, clock),
+                           reverse=True)[:self.top]
+        heading = (f"profile: optimizer steps {first}-{last} in {self.trace_path} "
+                   f"(open in ui.perfetto.dev); top {len(operators)} operators by self "
+                   f"{'CUDA' if self.cuda else 'CPU'} time:")
+        return [heading, *(f"  {getattr(op, clock) / 1e3:10.3f} ms  {op.count:7d} calls  "
+                           f"{op.key}" for op in operators)]

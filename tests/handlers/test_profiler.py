@@ -1,0 +1,86 @@
+"""``StepProfiler`` on a scripted engine whose iteration n is optimizer step n, marked in the
+trace as ``step<n>``: the window holds exactly its steps, the trace is Chrome's JSON."""
+
+import gzip
+import io
+import json
+
+import pytest
+import torch
+from ignite.engine import Engine, Events
+from torch.profiler import record_function
+
+from engine import TrainEvents
+from handlers.profiler import StepProfiler
+
+
+def scripted_trainer(resume_at: int = 0) -> Engine:
+    """Each iteration does a little work as ``step<n>`` and fires ``OPTIMIZER_STEP``;
+    ``resume_at`` starts the step counter there, as a resumed run does."""
+    def step(engine: Engine, _) -> None:
+        engine.state.optimizer_step += 1
+        with record_function(f"step{engine.state.optimizer_step}"):
+            torch.ones(8, 8).mm(torch.ones(8, 8))
+        engine.fire_event(TrainEvents.OPTIMIZER_STEP)
+
+    trainer = Engine(step)
+    trainer.register_events(*TrainEvents)
+    trainer.add_event_handler(Events.STARTED,
+                              lambda engine: setattr(engine.state, "optimizer_step", resume_at))
+    return trainer
+
+
+def profiled(tmp_path, start: int, stop: int, steps: int, resume_at: int = 0):
+    """(the steps marked in the trace, the printed lines, the handler, the trainer)."""
+    trainer, stream = scripted_trainer(resume_at), io.StringIO()
+    profiler = StepProfiler(start, stop, tmp_path / "profile" / "trace.json.gz", stream=stream)
+    profiler.attach(trainer)
+    trainer.run(range(steps - resume_at), max_epochs=1)
+    trace = json.loads(gzip.decompress(profiler.trace_path.read_bytes()))
+    marked = sorted(int(event["name"][4:]) for event in trace["traceEvents"]
+                    if event.get("name", "").startswith("step"))
+    return marked, stream.getvalue().splitlines(), profiler, trainer
+
+
+def test_the_trace_holds_the_window_steps_and_the_top_operators_are_printed_once(tmp_path):
+    marked, lines, profiler, trainer = profiled(tmp_path, start=2, stop=5, steps=8)
+    assert marked == [3, 4, 5]
+    assert lines[0].startswith("profile: optimizer steps 3-5 in ")
+    shown = len(lines) - 1  # at most 10, as many as the steps ran
+    assert 0 < shown <= 10 and f"top {shown} operators by self CPU time" in lines[0]
+    assert any(line.endswith("aten::mm") for line in lines[1:])
+    # Done: nothing of it runs at the later steps.
+    assert profiler.done
+    assert not trainer.has_event_handler(profiler._on_step, TrainEvents.OPTIMIZER_STEP)
+
+
+def test_a_window_from_zero_opens_as_the_run_starts(tmp_path):
+    marked, lines, _, _ = profiled(tmp_path, start=0, stop=2, steps=4)
+    assert marked == [1, 2]
+    assert lines[0].startswith("profile: optimizer steps 1-2 ")
+
+
+def test_a_run_that_ends_inside_the_window_writes_what_it_holds(tmp_path):
+    marked, lines, _, _ = profiled(tmp_path, start=3, stop=10, steps=5)
+    assert marked == [4, 5]
+    assert lines[0].startswith("profile: optimizer steps 4-5 ")
+
+
+def test_a_run_resumed_inside_the_window_profiles_the_rest_of_it(tmp_path):
+    marked, _, _, _ = profiled(tmp_path, start=2, stop=6, steps=8, resume_at=4)
+    assert marked == [5, 6]
+
+
+def test_a_run_resumed_past_the_window_profiles_nothing(tmp_path):
+    trainer = scripted_trainer(resume_at=6)
+    profiler = StepProfiler(2, 5, tmp_path / "trace.json.gz", stream=io.StringIO())
+    profiler.attach(trainer)
+    trainer.run(range(2), max_epochs=1)
+    assert not profiler.trace_path.exists() and not profiler.done
+
+
+@pytest.mark.parametrize(("start", "stop", "named"), [(-1, 5, "start"), (5, 5, "stop"),
+                                                     (5, 3, "stop"), (0.5, 3, "start")])
+def test_bad_windows_are_refused(tmp_path, start, stop, named):
+    with pytest.raises(ValueError, match=f"^{named} must be an int"):
+        StepProfiler(start, stop, tmp_path / "trace.json.gz")
