@@ -5,7 +5,9 @@
 is checked before torch loads), or the path of such a file. ``--help`` lists the keys;
 ``--describe`` prints the run's wiring (every event and its handlers) without training or
 writing anything; ``--lr-find`` runs an LR range test on the run's data and step and
-suggests a peak ``--lr``.
+suggests a peak ``--lr``. ``--config FILE`` reads keys from a TOML or JSON file (the
+command line's override them); ``--print-config`` prints the resolved config as TOML
+(``recipes.runner.config_file``).
 
 User mistakes (a bad key or value, missing data, no usable checkpoint) end with
 one ``error:`` line and exit code 2, before anything is written to disk.
@@ -23,7 +25,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from recipes.runner.config import ConfigError, help_text, parse_args
+from recipes.runner.config import ConfigError, help_text
+from recipes.runner.config_file import config_toml, parse_command_line
 from recipes.runner.registry import find_recipes, load_recipe, recipe_keys
 
 # A process that a closed pipe stops (`... --help | head -1`) exits as if SIGPIPE had
@@ -32,13 +35,15 @@ CLOSED_PIPE_EXIT = 141
 
 
 def _usage() -> str:
-    lines = ["usage: python -m recipes <recipe> [--key value ...] "
-             "[--help | --describe | --lr-find]", "", "recipes:"]
+    lines = ["usage: python -m recipes <recipe> [--config FILE] [--key value ...] "
+             "[--help | --describe | --lr-find | --print-config]", "", "recipes:"]
     lines += [f"  {name:<10} {summary}" for name, summary in find_recipes().items()]
     lines += ["", "<recipe> may also be the path of a recipe file (my_task.py).",
               "`python -m recipes <recipe> --help` lists every key with its default;",
               "`python -m recipes <recipe> --describe` prints the run's events and handlers;",
               "`python -m recipes <recipe> --lr-find` suggests a peak --lr (LR range test).",
+              "`--config FILE` reads keys from a TOML or JSON file (a run's config.json too);",
+              "`--print-config` prints the resolved config as such a TOML file.",
               "", "after training (each with --help):",
               "  python -m recipes <recipe> evaluate|export <run folder or checkpoint>",
               "  python -m recipes cifar|images predict <run> FILE_OR_FOLDER...",
@@ -63,12 +68,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(help_text(keys.config, f"python -m recipes {name}", keys.summary, keys.name,
                             width=shutil.get_terminal_size((100, 24)).columns))
             return 0
-        commands = {"--describe", "--lr-find"} & set(rest)
+        commands = {"--describe", "--lr-find", "--print-config"} & set(rest)
         if len(commands) > 1:
-            raise ConfigError("--describe and --lr-find: give one of them")
-        config, given = parse_args(keys.config, [arg for arg in rest if arg not in commands])
+            raise ConfigError(f"{' and '.join(sorted(commands))}: give one of them")
+        config, given = parse_command_line(keys.config,
+                                           [arg for arg in rest if arg not in commands])
     except ConfigError as err:
         return _user_error(err)
+    if "--print-config" in commands:  # before torch loads: nothing is run or written
+        print(config_toml(config, keys.name), end="")
+        return 0
     return _with_torch(_train, name, config, given, commands)
 
 

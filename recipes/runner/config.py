@@ -74,7 +74,7 @@ def group_values(config: Any, group: str) -> dict[str, Any]:
             for spec in dataclasses.fields(config) if group_of(type(config), spec.name) == group}
 
 
-def _base_type(annotation: Any) -> tuple[type, bool]:
+def base_type(annotation: Any) -> tuple[type, bool]:
     """(the scalar type, whether None is allowed) for ``int``, ``float | None`` and so on."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -83,7 +83,7 @@ def _base_type(annotation: Any) -> tuple[type, bool]:
 
 
 def _convert(name: str, text: str, annotation: Any) -> Any:
-    kind, optional = _base_type(annotation)
+    kind, optional = base_type(annotation)
     if optional and text.lower() in ("none", "null", ""):
         return None
     try:
@@ -108,27 +108,34 @@ def _convert(name: str, text: str, annotation: Any) -> Any:
 def validate(config: Any) -> None:
     """Check every field against its metadata; raise ConfigError on the first bad one."""
     for spec in dataclasses.fields(config):
-        value, meta, key = getattr(config, spec.name), spec.metadata, flag_name(spec.name)
-        if value is None:
-            continue
-        if meta.get("choices") and value not in meta["choices"]:
-            allowed = ", ".join(str(c) for c in meta["choices"])
-            raise ConfigError(f"{key}: {value!r} is not allowed; choose one of: {allowed}")
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            if value != value or value in (float("inf"), float("-inf")):
-                raise ConfigError(f"{key}: must be a finite number, got {value}")
-            low, high = meta.get("min"), meta.get("max")
-            if low is not None and (value <= low if meta.get("min_exclusive") else value < low):
-                relation = ">" if meta.get("min_exclusive") else ">="
-                raise ConfigError(f"{key}: must be {relation} {low}, got {value}")
-            if high is not None and value > high:
-                raise ConfigError(f"{key}: must be <= {high}, got {value}")
-        if meta.get("check") and (problem := meta["check"](value)):
-            raise ConfigError(f"{key}: {problem}")
+        check_value(spec, getattr(config, spec.name))
 
 
-def parse_args(config_cls: type, argv: Sequence[str]) -> tuple[Any, set[str]]:
-    """Parse ``--key value`` / ``--key=value`` into ``config_cls``; also return the keys given."""
+def check_value(spec: dataclasses.Field, value: Any) -> None:
+    """Check one field's value against its metadata (ConfigError naming the key)."""
+    meta, key = spec.metadata, flag_name(spec.name)
+    if value is None:
+        return
+    if meta.get("choices") and value not in meta["choices"]:
+        allowed = ", ".join(str(c) for c in meta["choices"])
+        raise ConfigError(f"{key}: {value!r} is not allowed; choose one of: {allowed}")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"{key}: must be a finite number, got {value}")
+        low, high = meta.get("min"), meta.get("max")
+        if low is not None and (value <= low if meta.get("min_exclusive") else value < low):
+            relation = ">" if meta.get("min_exclusive") else ">="
+            raise ConfigError(f"{key}: must be {relation} {low}, got {value}")
+        if high is not None and value > high:
+            raise ConfigError(f"{key}: must be <= {high}, got {value}")
+    if meta.get("check") and (problem := meta["check"](value)):
+        raise ConfigError(f"{key}: {problem}")
+
+
+def parse_args(config_cls: type, argv: Sequence[str],
+               base: dict[str, Any] | None = None) -> tuple[Any, set[str]]:
+    """Parse ``--key value`` / ``--key=value`` into ``config_cls``, over ``base`` (a config
+    file's values by key); also return the keys given (``base``'s included)."""
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     hints = typing.get_type_hints(config_cls)
     values: dict[str, Any] = {}
@@ -140,7 +147,7 @@ def parse_args(config_cls: type, argv: Sequence[str]) -> tuple[Any, set[str]]:
         key, has_value, text = token[2:].partition("=")
         name = key.replace("-", "_")
         if name not in fields:
-            raise ConfigError(_unknown_key(name, fields, hints))
+            raise ConfigError(unknown_key(name, fields, hints))
         if not has_value:
             if not args or args[0].startswith("--"):
                 raise ConfigError(f"{flag_name(name)}: missing value")
@@ -148,16 +155,16 @@ def parse_args(config_cls: type, argv: Sequence[str]) -> tuple[Any, set[str]]:
         if name in values:
             raise ConfigError(f"{flag_name(name)}: given twice")
         values[name] = _convert(name, text, hints[name])
-    config = config_cls(**values)
+    config = config_cls(**{**(base or {}), **values})
     validate(config)
-    return config, set(values)
+    return config, set(values) | set(base or {})
 
 
-def _unknown_key(name: str, fields: Sequence[str], hints: dict[str, Any]) -> str:
+def unknown_key(name: str, fields: Sequence[str], hints: dict[str, Any]) -> str:
     """``unknown key --x; did you mean ...?``; for ``--no-<switch>`` the spelling that turns
     the switch off (``--lookahead false``)."""
     switch = name.removeprefix("no_")
-    if switch != name and switch in fields and _base_type(hints[switch])[0] is bool:
+    if switch != name and switch in fields and base_type(hints[switch])[0] is bool:
         hint = f"; to turn {flag_name(switch)} off, say {flag_name(switch)} false"
     else:
         close = difflib.get_close_matches(name, fields, n=3)
@@ -185,7 +192,9 @@ def help_text(config_cls: type, prog: str, description: str, recipe_name: str,
             subsequent_indent=indent, break_on_hyphens=False))
     own = blocks.pop(None, [])
     lines = [f"usage: {prog} [--key value ...]",
-             f"example: {prog} --epochs 2 --run-name first-try", "",
+             f"example: {prog} --epochs 2 --run-name first-try",
+             f"config file: {prog} --config FILE (TOML or JSON, the same keys; "
+             "--print-config prints the resolved config as TOML)", "",
              description, "",
              "keys (default, meaning); every key takes a value, true/false for a switch:"]
     for heading, keys in [*blocks.items(), (f"{recipe_name} (the recipe's own keys)", own)]:

@@ -26,6 +26,8 @@ def runs_root(tmp_path, reference, harness, monkeypatch):
     corrupt."""
     monkeypatch.chdir(tmp_path)
     harness.copy_run(reference.run_dir, tmp_path / "runs" / "existing")
+    for name, content in CONFIG_FILES.items():
+        (tmp_path / name).write_text(content)
     if harness.recipe != "cifar":
         return tmp_path
     jpeg_run = harness.copy_run(reference.run_dir, tmp_path / "runs" / "existing-jpeg")
@@ -46,6 +48,8 @@ def runs_root(tmp_path, reference, harness, monkeypatch):
 
 
 EXISTING = ("--run-dir", "runs/existing")
+CONFIG_FILES = {"malformed.toml": "epochs = 4\nlr = \n", "malformed.json": '{"epochs": 4,}',
+                "list.json": "[4]", "negative-lr.toml": "lr = -0.1\n", "seed.toml": "seed = 9\n"}
 BAD_INPUTS = {
     "run_name_with_dotdot": (("--run-name", "../existing"), "--run-name"),
     "run_name_with_slash": (("--run-name", "runs/existing"), "--run-name"),
@@ -57,6 +61,17 @@ BAD_INPUTS = {
     "max_grad_norm_0": ((*EXISTING, "--max-grad-norm", "0"), "--max-grad-norm"),
     "max_grad_norm_negative": ((*EXISTING, "--max-grad-norm", "-1"), "--max-grad-norm"),
     "negative_patience": ((*EXISTING, "--patience", "-1"), "--patience"),
+    "config_missing": ((*EXISTING, "--config", "missing.toml"), "missing.toml: no such file"),
+    "config_a_folder": ((*EXISTING, "--config", "runs/existing"), "is a folder"),
+    "config_malformed_toml": ((*EXISTING, "--config", "malformed.toml"),
+                              "malformed.toml:2: not valid TOML"),
+    "config_malformed_json": ((*EXISTING, "--config", "malformed.json"),
+                              "malformed.json:1: not valid JSON"),
+    "config_not_a_table": ((*EXISTING, "--config", "list.json"), "must be an object of keys"),
+    "config_negative_lr": ((*EXISTING, "--config", "negative-lr.toml"),
+                           "negative-lr.toml:1: --lr: must be > 0"),
+    "config_changes_a_fixed_key": ((*EXISTING, "--config", "seed.toml"),
+                                   "--seed: cannot change on resume"),
 }
 CIFAR_DATA_INPUTS = {
     "data_dir_missing": (("--run-dir", "runs/existing-jpeg", "--data-dir", "no-such-dir"),
