@@ -230,7 +230,7 @@ def config_toml(config: Any, recipe_name: str) -> str:
         meta = spec.metadata
         about = meta["help"] + (f" [{' | '.join(str(c) for c in meta['choices'])}]"
                                 if meta.get("choices") else "")
-        if value != spec.default:
+        if value != spec.default and spec.default != "":  # an empty default: the help says
             about += f" (default: {_toml_value(spec.default)})"
         unset = value in (None, "") and value == spec.default
         block = blocks.setdefault(group_of(type(config), spec.name), [""])
