@@ -262,20 +262,41 @@ def saved_keys(run_dir: Path) -> dict:
     return json.loads((run_dir / "config.json").read_text())["config"]
 
 
-def test_print_config_fed_back_writes_the_same_config_json(tmp_path, monkeypatch, capsys):
+def tiny_args(recipe: str, folder: Path, make_image_tree) -> list[str]:
+    """A one-epoch run of ``recipe`` on tiny data made in ``folder``, with a few keys off
+    their defaults."""
+    if recipe == "charlm":
+        return [*CHARLM, "--text", str(write_text(folder / "corpus.txt")), "--lr", "0.003"]
+    if recipe == "cifar":
+        return ["cifar", "--dataset", "synthetic", "--train-subset", "64", "--val-subset", "32",
+                "--batch-size", "32", "--warmup-epochs", "0.5", "--tta", "none",
+                "--final-tta", "none", "--progress", "off", "--device", "cpu", "--lr", "0.2"]
+    make_image_tree(folder / "tree", {"train": 4, "val": 2})
+    return ["images", "--data-dir", str(folder / "tree"), "--model", "squeezenet1_1",
+            "--batch-size", "4", "--warmup-epochs", "0.5", "--num-workers", "0",
+            "--progress", "off", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("recipe", sorted(find_recipes()))
+def test_print_config_fed_back_is_the_same_command_and_writes_the_same_config_json(
+        recipe, tmp_path, monkeypatch, capsys, make_image_tree):
     monkeypatch.chdir(tmp_path)
-    args = [*CHARLM, "--text", str(write_text(tmp_path / "corpus.txt")), "--epochs", "1",
-            "--lr", "0.003", "--run-name", "typed"]
+    args = [*tiny_args(recipe, tmp_path, make_image_tree), "--epochs", "1"]
     assert main(args) == 0
+    [typed] = (tmp_path / "runs" / recipe).iterdir()  # a timestamped folder
     capsys.readouterr()
     assert main([*args, "--print-config"]) == 0
     (tmp_path / "printed.toml").write_text(capsys.readouterr().out)
 
-    assert main(["charlm", "--config", "printed.toml", "--run-name", "from-file"]) == 0
+    # The file is the same command as the typed one: it finds that run, complete.
+    assert main([recipe, "--config", "printed.toml"]) == 0
+    complete = f"the run is already complete: {typed.relative_to(tmp_path)} "
+    assert complete in capsys.readouterr().out
+    assert main([recipe, "--config", "printed.toml", "--resume", "never"]) == 0
 
-    typed, from_file = (saved_keys(tmp_path / "runs" / "charlm" / name)
-                        for name in ("typed", "from-file"))
-    assert from_file == {**typed, "run_name": "from-file"}
+    [from_file] = [path for path in (tmp_path / "runs" / recipe).iterdir() if path != typed]
+    assert saved_keys(from_file) == {**saved_keys(typed),
+                                     "run_dir": str(from_file.relative_to(tmp_path))}
 
 
 def test_a_run_folders_config_json_repeats_the_run_with_a_new_seed(tmp_path, monkeypatch,
@@ -298,7 +319,8 @@ def test_a_run_folders_config_json_repeats_the_run_with_a_new_seed(tmp_path, mon
     assert digests(first) == before
     # The same command again is the same run: it is complete, and nothing is started.
     assert main(again) == 0
-    assert f"the run is already complete: {second.relative_to(tmp_path)} " in capsys.readouterr().out
+    complete = f"the run is already complete: {second.relative_to(tmp_path)} "
+    assert complete in capsys.readouterr().out
     assert len(list((tmp_path / "runs" / "charlm").iterdir())) == 2
 
 
