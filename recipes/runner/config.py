@@ -193,8 +193,8 @@ def help_text(config_cls: type, prog: str, description: str, recipe_name: str,
     own = blocks.pop(None, [])
     lines = [f"usage: {prog} [--key value ...]",
              f"example: {prog} --epochs 2 --run-name first-try",
-             f"config file: {prog} --config FILE (TOML or JSON, the same keys; "
-             "--print-config prints the resolved config as TOML)", "",
+             f"from a file: {prog} --config FILE.toml (or .json); --print-config prints one",
+             "",
              description, "",
              "keys (default, meaning); every key takes a value, true/false for a switch:"]
     for heading, keys in [*blocks.items(), (f"{recipe_name} (the recipe's own keys)", own)]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from recipes.__main__ import main
-from recipes.runner.config import ConfigError, flag_name
+from recipes.runner.config import ConfigError, flag_name, help_text
 from recipes.runner.config_file import REQUESTS, config_toml, parse_command_line
 from recipes.runner.registry import find_recipes, recipe_keys
 from recipes.runner.resume_request import REQUEST_KEYS
@@ -337,3 +337,9 @@ def test_a_file_key_on_a_resume_counts_as_given(tmp_path, monkeypatch, capsys):
 
     one_error_line(code, capsys.readouterr().err, flag_name("seed"), "cannot change on resume")
     assert digests(tmp_path / "runs") == before
+
+
+def test_help_names_config_files_under_the_example():
+    lines = help_text(CIFAR, "prog", "", "cifar").splitlines()
+    assert lines[2] == ("from a file: prog --config FILE.toml (or .json); --print-config "
+                        "prints one")
