@@ -15,6 +15,7 @@ from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
 from engine import Trainer
 from handlers.arguments import check_int
+from handlers.cost import CostMeter
 from handlers.event_file import EventFile, tensorflow_bins
 from handlers.goal import STANDARD_MODES, check_mode, is_better
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
@@ -50,7 +51,9 @@ class TensorBoardLogger:
     - the trainer's ``Events.EPOCH_COMPLETED``: ``perf/epoch_time_sec`` (Ignite's
       epoch loop time, before validation runs) and ``perf/samples_per_sec``
       (iterations x ``batch_size``; without it, the leading size of the epoch's last
-      batch, which is short unless the loader drops it);
+      batch, which is short unless the loader drops it), and with ``cost`` (a ``CostMeter``
+      attached before this logger) its ``perf/*`` scalars: per device samples/s, tokens/s,
+      model FLOP/s, MFU, and the peak memory in MB;
     - the trainer's ``Events.COMPLETED``: the HParams entry (``hparams`` flattened,
       the best of each validation metric as ``best/val/<name>``, kept in
       ``state_dict()`` across a resume; ``modes`` gives each metric's direction,
@@ -92,6 +95,7 @@ class TensorBoardLogger:
         modes: Mapping[str, str] | None = None,
         *,
         telemetry: GradientTelemetry,
+        cost: CostMeter | None = None,
     ) -> None:
         if batch_size is not None:
             check_int("batch_size", batch_size, 1)
@@ -101,7 +105,7 @@ class TensorBoardLogger:
         for name, mode in modes.items():
             check_mode(mode, f"modes[{name!r}]")
         self.hparams, self.batch_size, self.modes = hparams, batch_size, modes
-        self.telemetry = telemetry
+        self.telemetry, self.cost = telemetry, cost
         self.writer = EventFile(log_dir)
         # TensorBoard's default bucket edges (~1500) as an array once: the histogram would
         # convert the list at every call, four fifths of its cost.
@@ -191,7 +195,9 @@ class TensorBoardLogger:
         iterations = trainer.state.iteration - self._epoch_start_iteration
         self.writer.add_summary(Summary(value=[
             _scalar("perf/epoch_time_sec", seconds),
-            _scalar("perf/samples_per_sec", iterations * batch_size / seconds)]), step)
+            _scalar("perf/samples_per_sec", iterations * batch_size / seconds),
+            *(_scalar(tag, value) for tag, value in
+              (self.cost.scalars() if self.cost is not None else {}).items())]), step)
         self.writer.flush()
 
     def _on_completed(self, trainer: Engine) -> None:

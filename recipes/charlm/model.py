@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class CausalSelfAttention(nn.Module):
@@ -55,12 +56,24 @@ class GPT(nn.Module):
     """Logits ``[batch, time, vocab_size]`` for token ids ``[batch, time]``, time <= block_size.
 
     ``tie_weights``: the token embedding is the output layer's weight (nanoGPT's
-    ``transformer.wte.weight = lm_head.weight``; ``state_dict`` holds both keys)."""
+    ``transformer.wte.weight = lm_head.weight``; ``state_dict`` holds both keys).
+
+    ``activation_checkpointing``: while gradients are recorded, each block keeps only its
+    input for the backward and runs its forward again there (``torch.utils.checkpoint``,
+    non-reentrant: the same numbers, the dropout masks included, for about one more forward
+    of the blocks). The non-reentrant form is the one that composes with
+    ``torch.distributed.fsdp.fully_shard``: the block is called through its own
+    ``__call__`` inside the checkpoint, so FSDP's hooks on the block gather its parameters
+    again for the recomputation, and the parameter names stay the same (``checkpoint_wrapper``
+    would insert ``_checkpoint_wrapped_module`` into every name below the blocks, which the
+    name-based weight decay and Muon groups and ``fully_shard``'s targets would have to see
+    through)."""
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int,
-                 n_embd: int, dropout: float = 0.0, tie_weights: bool = True) -> None:
+                 n_embd: int, dropout: float = 0.0, tie_weights: bool = True,
+                 activation_checkpointing: bool = False) -> None:
         super().__init__()
-        self.block_size = block_size
+        self.block_size, self.activation_checkpointing = block_size, activation_checkpointing
         self.transformer = nn.ModuleDict({
             "wte": nn.Embedding(vocab_size, n_embd),
             "wpe": nn.Embedding(block_size, n_embd),
@@ -76,9 +89,28 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.transformer.h:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.lm_head(self.transformer.ln_f(x))
+
+    def training_flops_per_sample(self) -> int:
+        """Model FLOPs of forward + backward for one window of ``block_size`` tokens: per
+        token 6N + 12 * n_layer * n_head * head_dim * block_size, the estimate of the PaLM
+        paper (appendix B) as nanoGPT's ``estimate_mfu`` computes it. N counts every
+        parameter except the embeddings that are looked up rather than multiplied: the
+        position embedding, and the token embedding unless it is the output layer's weight
+        (tied, as by default: then it counts once, as that layer). Biases and LayerNorm
+        weights are in N, as in nanoGPT's ``get_num_params()``. The attention term counts
+        the whole T x T score matrix, although causal attention needs about half of it.
+        Recomputation by activation checkpointing is not model FLOPs and is not counted."""
+        wte, wpe = self.transformer.wte.weight, self.transformer.wpe.weight
+        n = sum(parameter.numel() for parameter in self.parameters()) - wpe.numel()
+        if wte is not self.lm_head.weight:
+            n -= wte.numel()
+        n_layer, n_embd = len(self.transformer.h), wte.shape[1]  # n_head * head_dim = n_embd
+        per_token = 6 * n + 12 * n_layer * n_embd * self.block_size
+        return per_token * self.block_size
 
     @torch.inference_mode()
     def generate(self, prompt: torch.Tensor, new_tokens: int, generator: torch.Generator,

@@ -70,8 +70,8 @@ def build(config: Config, corpus: Corpus, ctx: Context) -> Parts:
         return corpus.train[start:start + span + 1]
 
     val_windows = [corpus.val[i * span:(i + 1) * span + 1] for i in range(corpus.windows[1])]
-    model = GPT(256, span, config.n_layer, config.n_head, config.n_embd,
-                config.dropout).to(ctx.device)
+    model = GPT(256, span, config.n_layer, config.n_head, config.n_embd, config.dropout,
+                activation_checkpointing=config.activation_checkpointing).to(ctx.device)
     train_model = idist.auto_model(model) if ctx.world_size > 1 else model  # saved: model
     optimizer = build_optimizer(config, model, own="adamw", normalize=False, lr=config.lr,
                                 betas=(0.9, 0.99))  # nanoGPT's betas for small batches
@@ -101,6 +101,7 @@ def build(config: Config, corpus: Corpus, ctx: Context) -> Parts:
                                    world_size=ctx.world_size),
         forward=lambda model, batch: F.cross_entropy(*next_byte_logits(model, batch)),
         predict=next_byte_logits, attach_extra=attach_sample, num_classes=256,
+        model_flops=model.training_flops_per_sample(), tokens_per_sample=span,  # bytes
         # Bytes travel as uint8 (8x less to copy) and become token ids on the device.
         prepare_batch=lambda batch, device, non_blocking: batch.to(
             device, non_blocking=non_blocking).long())
@@ -110,4 +111,4 @@ RECIPE = Recipe(
     name="charlm", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
     build=build, metrics={"loss": "min", "perplexity": "min"}, best="loss",
     sample_counts=lambda corpus: corpus.windows, fingerprint=lambda corpus: {"text": corpus.facts},
-    commands=COMMANDS)
+    commands=COMMANDS, activation_checkpointing=True)

@@ -15,6 +15,7 @@ import torch
 from ignite.metrics import Accuracy, Loss
 
 from handlers import Lookahead
+from handlers.cost import training_flops
 from recipes.cifar.batches import EvalBatches, TrainBatches
 from recipes.cifar.commands import COMMANDS, EVAL_SPLITS
 from recipes.cifar.config import Config
@@ -101,7 +102,9 @@ def build(config: Config, arrays: CifarArrays, ctx: Context) -> Parts:
                  before_evaluation=before_evaluation,
                  evaluation_forwards=lambda final: TTA_FORWARDS[
                      config.final_tta if final else config.tta],
-                 num_classes=len(arrays.classes))
+                 num_classes=len(arrays.classes),
+                 model_flops=training_flops(net, train_batches.normalise(
+                     train_batches.images[:1])))
 
 
 def fingerprint(arrays: CifarArrays) -> dict[str, dict]:

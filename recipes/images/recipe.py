@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ignite.distributed as idist
+import torch
 import torchvision
 from ignite.metrics import Accuracy, Loss
 from torch import nn
 
+from handlers.cost import training_flops
 from recipes.common.optimizers import build_optimizer
 from recipes.common.paths import data_dir_candidates, default_data_dir, places_looked_in
 from recipes.images.commands import COMMANDS, EVAL_SPLITS
@@ -136,7 +138,9 @@ def build(config: Config, data: ImageData, ctx: Context) -> Parts:
                  train_batches=train_batches, val_batches=val_batches,
                  loss_fn=nn.CrossEntropyLoss(label_smoothing=config.label_smoothing),
                  prepare_batch=NormaliseOnDevice(data.mean, data.std),
-                 num_classes=len(data.folders.classes))
+                 num_classes=len(data.folders.classes),
+                 model_flops=training_flops(net, torch.zeros(1, 3, data.image_size,
+                                                             data.image_size, device=ctx.device)))
 
 
 def fingerprint(data: ImageData) -> dict[str, dict]:

@@ -80,6 +80,7 @@ class Parts:
     checkpointed. ``before_evaluation(final)`` runs before each evaluation; ``final`` is
     True for the one after the last epoch. ``num_classes`` (classifiers) lets the start-up
     checks test the labels' range and the first loss against ln(num_classes).
+    ``model_flops`` and ``tokens_per_sample`` feed the throughput, MFU and memory telemetry.
     """
 
     model: nn.Module
@@ -98,6 +99,10 @@ class Parts:
     # before_evaluation changes them: the time left scales the measured evaluations by it.
     evaluation_forwards: Callable[[bool], float] | None = None
     num_classes: int | None = None  # a classifier's: the start-up checks use it
+    # Cost telemetry (handlers.cost): model FLOPs of forward + backward per training sample,
+    # and the tokens a sample holds (a language model's); None where they do not apply.
+    model_flops: float | None = None
+    tokens_per_sample: int | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,10 @@ class Recipe:
     # The splits besides validation that ``evaluate --split`` can name: each maps the data to
     # the same data with that split in the validation split's place.
     eval_splits: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    # Whether build honours --activation-checkpointing: a model of repeated blocks whose
+    # forward may run again in the backward with the same result (no BatchNorm, whose
+    # running statistics a second forward would update twice).
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name, mode in self.metrics.items():

@@ -42,6 +42,7 @@ from recipes.runner.api import Context, Parts, Recipe, RunPlan
 from recipes.runner.config import ConfigError, resume_overrides
 from recipes.runner.console import print_closing, print_header
 from recipes.runner.continue_run import choose_run, continue_command
+from recipes.runner.cost import check_recipe_keys, cost_meter
 from recipes.runner.curves import plot_curves
 from recipes.runner.environment import environment_record
 from recipes.runner.errors import USER_ERRORS
@@ -93,6 +94,7 @@ class Started:
 
 def run(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
     """Train here, in ``--nproc`` spawned processes, or as one of the processes of torchrun."""
+    check_recipe_keys(recipe, config)
     if config.overfit_batches:
         return overfit_run(recipe, config)
     if launched_by_torchrun():
@@ -301,7 +303,8 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started
             bn_input=lambda batch: parts.prepare_batch(batch, ctx.device, True)[0])
     site = RunSite(started.run_dir, started.run_id, recipe.metrics, recipe.best, plan,
                    rank=ctx.rank, model=parts.model,
-                   checkpoint_meta={"data": started.fingerprint}, num_classes=parts.num_classes)
+                   checkpoint_meta={"data": started.fingerprint}, num_classes=parts.num_classes,
+                   cost=cost_meter(config, ctx, parts))
     evaluation = Evaluation(parts.val_batches, config.eval_every, config.epochs,
                             before=parts.before_evaluation, forwards=parts.evaluation_forwards)
     handlers = attach_standard_handlers(trainer, evaluator, config, site, evaluation, extra)
@@ -389,6 +392,7 @@ def _write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
     summary = {"status": status, "run_id": started.run_id, **history.summary(trainer)}
     if handlers.spike_guard is not None:
         summary |= handlers.spike_guard.summary()
+    summary |= handlers.cost.summary(summary["samples_per_sec"])
     print_closing(recipe.name, summary, started.run_dir, handlers)
     summary["environment"] = environment
     try:  # the disk that failed a checkpoint may fail these too: the checkpoints matter
@@ -406,6 +410,7 @@ def find_lr_run(recipe: Recipe, config: RunConfig) -> int:
     """``--lr-find``: an LR range test on the run's data and step (accumulation, precision and
     clipping as configured); prints the suggested peak LR and writes ``lr_find.png`` in the
     run folder. Trains nothing and leaves no checkpoint or config.json."""
+    check_recipe_keys(recipe, config)
     run_dir = resolve_run_dir(recipe.name, config.run_name, config.run_dir)
     data = recipe.load_data(config)  # a DataError here leaves nothing on disk
     with RunLock(run_dir):
@@ -448,6 +453,7 @@ def describe_run(recipe: Recipe, config: RunConfig) -> str:
     """The run's wiring: every event of the trainer and evaluator with its handlers, in the
     order they run. Builds the run in a temporary folder (nothing is written to runs/), on
     the recipe's stand-in data when it has one (so the data set need not be there)."""
+    check_recipe_keys(recipe, config)
     with tempfile.TemporaryDirectory() as folder:
         data = (recipe.stand_in_data or recipe.load_data)(config)
         started = Started(Path(folder), "describe", {}, data)

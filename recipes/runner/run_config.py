@@ -106,6 +106,9 @@ class RunConfig:
     device: str = run_key("auto", "cpu | cuda | cuda:N | auto")
     compile: bool = run_key(False, "torch.compile the model's forward (a one-time compile "
                             "of about a minute on a CPU; checkpoints are the same either way)")
+    activation_checkpointing: bool = run_key(
+        False, "keep only each transformer block's input for the backward and recompute the "
+        "rest there: less activation memory for about one more forward (charlm)")
     eval_every: int = run_key(1, "evaluate every N epochs (and after the last)", min=1)
     log_every: int = run_key(10, "report training statistics every N optimizer steps", min=1,
                              fixed_on_resume=True)

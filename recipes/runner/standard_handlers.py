@@ -29,6 +29,7 @@ from handlers import (
     TensorBoardLogger,
     build_scheduler,
 )
+from handlers.cost import CostMeter
 from handlers.graceful_stop import GracefulStop
 from handlers.history import RunHistory
 from handlers.progress import Evaluations
@@ -58,6 +59,7 @@ class RunSite:
     checkpoint_meta: Mapping[str, Any] | None = None  # stored in every checkpoint
     num_classes: int | None = None  # for the start-up checks
     progress_stream: TextIO | None = None
+    cost: CostMeter | None = None  # throughput, MFU and peak memory per epoch
 
 
 class Evaluation:
@@ -105,6 +107,7 @@ class StandardHandlers:
     spike_guard: SpikeGuard | None = None
     tensorboard: TensorBoardLogger | None = None  # rank 0's
     progress: Progress | None = None  # rank 0's
+    cost: CostMeter | None = None
 
 
 def make_scheduler_factory(config: RunConfig, trainer: Trainer, plan: RunPlan
@@ -185,12 +188,13 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
     if site.rank == 0:  # only rank 0 writes; every rank loads the same checkpoint
         tensorboard = TensorBoardLogger(site.run_dir, hparams=dataclasses.asdict(config),
                                         batch_size=config.batch_size, modes=site.modes,
-                                        telemetry=telemetry)
+                                        telemetry=telemetry, cost=site.cost)
         to_save["tensorboard"] = tensorboard
         schedule = EvaluationSchedule(evaluation.due, evaluation.forwards)
         progress = Progress(mode=config.progress, stream=site.progress_stream,
                             telemetry=telemetry, evaluations=Evaluations(
-                                history, goal, site.plan.steps_per_epoch, schedule))
+                                history, goal, site.plan.steps_per_epoch, schedule),
+                            cost=site.cost)
         if spike_guard is not None:
             spike_guard.add_listener(lambda action: _log_spike_action(tensorboard, action))
     # RankZeroSave: rank 0 writes, every rank takes part, so a failed save stops them all.
@@ -204,6 +208,7 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         StartupChecks(site.num_classes) if config.checks == "on" else None,
         telemetry,  # the step's numbers, before anything that reports them
         history,
+        site.cost,  # at EPOCH_COMPLETED, before the evaluation line and TensorBoard show it
         early_stopping,
         scheduler,  # after the step's telemetry, which logs the LR the step used
         evaluation,  # at EPOCH_COMPLETED, before the saves: a resume never skips it
@@ -217,7 +222,8 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         if handler is not None:
             handler.attach(trainer, evaluator)
     return StandardHandlers(telemetry, history, scheduler, early_stopping, checkpointer, stop,
-                            make_scheduler, evaluation, spike_guard, tensorboard, progress)
+                            make_scheduler, evaluation, spike_guard, tensorboard, progress,
+                            site.cost)
 
 
 def _log_spike_action(tensorboard: TensorBoardLogger, action: SpikeAction) -> None:

@@ -8,6 +8,7 @@ from torch import nn
 
 import handlers.progress as progress_module
 from engine import create_trainer
+from handlers.cost import CostMeter
 from handlers.goal import Goal
 from handlers.grad_telemetry import GradientTelemetry
 from handlers.history import RunHistory
@@ -105,10 +106,11 @@ class ScriptedClock:
         return self.now
 
 
-def scripted_run(mode="plain", stream=None, resume_from_epoch=0):
+def scripted_run(mode="plain", stream=None, resume_from_epoch=0, cost=None):
     """``EPOCHS`` epochs of ``BATCHES`` iterations, an evaluation after each (the final one
     declared 3 forwards per sample, the others 1) whose metrics are ``LOSSES`` and
-    ``ACCURACIES``, on ``ScriptedClock``'s time; optionally resumed after an epoch."""
+    ``ACCURACIES``, on ``ScriptedClock``'s time; optionally resumed after an epoch; with
+    ``cost``, a ``CostMeter``."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -129,8 +131,10 @@ def scripted_run(mode="plain", stream=None, resume_from_epoch=0):
     schedule = EvaluationSchedule(due=lambda epoch: True,
                                   forwards=lambda final: 3.0 if final else 1.0)
     progress = Progress(mode, stream, telemetry=telemetry, clock=clock, evaluations=Evaluations(
-        history, Goal("accuracy", "max"), BATCHES, schedule))
-    for handler in (telemetry, history, progress):
+        history, Goal("accuracy", "max"), BATCHES, schedule), cost=cost)
+    for handler in (telemetry, history, cost, progress):
+        if handler is None:
+            continue
         handler.attach(trainer, evaluator)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run(
         range(EVAL_BATCHES)))
@@ -158,6 +162,15 @@ def test_a_line_per_evaluation_with_the_metrics_the_best_and_the_time_left(capsy
         ("2", "0.6", "1.5", "0.6", "2", "10s", "7s"),
         ("3", "0.55", "7", "0.6", "2", "15s", "0s"),
     ]
+
+
+def test_with_a_cost_meter_each_evaluation_line_shows_the_epochs_cost(capsys):
+    scripted_run(cost=CostMeter(4, 1, torch.device("cpu"), flops_per_sample=1.0))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
+    assert len(lines) == EPOCHS
+    for line in lines:
+        assert re.search(r" \| best accuracy \S+ \(epoch \d\) \| per device: \S+ samples/s, "
+                         r"MFU n/a, peak mem \d+ MB \| elapsed ", line), line
 
 
 def test_training_lines_count_the_evaluations_once_one_is_measured(capsys):

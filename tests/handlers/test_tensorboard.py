@@ -9,6 +9,7 @@ from torch import nn
 
 import handlers.tensorboard as tensorboard_module
 from engine import create_evaluator, create_trainer
+from handlers.cost import CostMeter
 from handlers.event_file import read_events
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
 from handlers.tensorboard import REPORTS_PER_WRITE, TensorBoardLogger, flatten
@@ -18,9 +19,10 @@ TELEMETRY = GradientTelemetry(log_every=1)  # for a logger that is never attache
 HPARAMS = {"optimizer": {"name": "sgd", "lr": 0.1}, "epochs": 2, "amp": False, "milestones": (3, 6)}
 
 
-def train(log_dir, precision="fp32", logger_state=None, bias_lr=None):
+def train(log_dir, precision="fp32", logger_state=None, bias_lr=None, cost=None):
     """Two epochs of 8 batches; telemetry every 4 steps, layer norms and histogram every 8.
-    ``bias_lr``: the bias in a group of its own named "bias", at that LR."""
+    ``bias_lr``: the bias in a group of its own named "bias", at that LR. ``cost``: a
+    ``CostMeter`` attached before the logger."""
     torch.manual_seed(0)
     model = nn.Linear(3, 4)
     groups = [{"params": [model.weight]},
@@ -37,7 +39,9 @@ def train(log_dir, precision="fp32", logger_state=None, bias_lr=None):
     reports = []
     telemetry.add_listener(reports.append)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(data[:2]))
-    logger = TensorBoardLogger(log_dir, hparams=HPARAMS, telemetry=telemetry)
+    if cost is not None:
+        cost.attach(trainer)
+    logger = TensorBoardLogger(log_dir, hparams=HPARAMS, telemetry=telemetry, cost=cost)
     if logger_state is not None:
         logger.load_state_dict(torch.load(logger_state, weights_only=True))
     logger.attach(trainer, evaluator)
@@ -96,6 +100,16 @@ def test_validation_and_throughput_at_each_epoch_end(fp32_run):
         events.Scalars("perf/epoch_time_sec"), events.Scalars("perf/samples_per_sec"), strict=True
     ):
         assert rate.value == pytest.approx(BATCHES * BATCH / time.value, rel=1e-4)
+
+
+def test_a_cost_meter_adds_its_perf_scalars_at_each_epoch_end(tmp_path):
+    cost = CostMeter(BATCH, 1, torch.device("cpu"), flops_per_sample=1e6,
+                     tokens_per_sample=3, peak_flops=1e12)
+    events, _ = train(tmp_path, cost=cost)
+    for tag in ("perf/samples_per_sec_per_device", "perf/tokens_per_sec_per_device",
+                "perf/model_flops_per_sec_per_device", "perf/mfu", "perf/peak_memory_mb"):
+        assert steps(events, tag) == [8, 16], tag
+    assert events.Scalars("perf/mfu")[-1].value == pytest.approx(cost.latest.mfu)
 
 
 def test_hparams_with_best_validation_metrics_in_the_same_run(fp32_run):

@@ -232,6 +232,13 @@ def test_tiny_run_end_to_end_then_a_resume_finds_it_complete(optimizer, tmp_path
     assert summary["best_val_perplexity"] < 256  # it learned something in 2 epochs
     assert "sample:\ndef " in result.stdout
     assert list(run_dir.glob("events.out.tfevents.*"))
+    # Cost on the CPU: bytes (tokens) per second, the model's FLOPs, no MFU, the peak RSS.
+    assert summary["tokens_per_sec_per_device"] == pytest.approx(
+        16 * summary["samples_per_sec_per_device"], rel=1e-3)
+    assert summary["model_flops_per_sample"] == GPT(256, 16, 1, 2, 16).training_flops_per_sample()
+    assert summary["mfu"] is None and summary["peak_flops_per_device"] is None
+    assert summary["peak_memory_source"] == "process_peak_rss"
+    assert summary["peak_memory_bytes"] == summary["peak_memory_bytes_per_process"][0] > 2**20
     again = run_cli(args, tmp_path)
     assert again.returncode == 0, again.stderr
     assert "the run is already complete" in again.stdout
