@@ -1,7 +1,10 @@
 """Crash-safe checkpoints: the newest, the best by a metric, and a short history.
 
 The ``Checkpointer`` decides what is saved when, what retention keeps, and which file a run
-resumes from; ``handlers.checkpoint_files`` holds the file format and the crash-safe writes.
+resumes from; the format it is given writes and reads one checkpoint: ``SingleFile``
+(``handlers.checkpoint_files``, one .pt file) or ``ShardedFolder``
+(``handlers.sharded_checkpoint``, a folder of shards written by every process of a
+``fully_shard`` run). The policy is the same for both.
 A save writes the .pt, then its sidecar, then switches ``last.pt``/``best.pt``, and only then
 deletes what retention evicts: a crash at any instant leaves the previous checkpoint and its
 sidecar untouched, and a half-written or half-switched pair fails verification, so the resume
@@ -9,7 +12,6 @@ falls back to the previous checkpoint. ``handlers.crash_points`` can kill a save
 those phases (test-only).
 """
 
-import json
 import logging
 import math
 import os
@@ -17,24 +19,20 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
-import torch
 from ignite.engine import Engine, Events
 
 from engine import Trainer, TrainEvents
 from handlers.arguments import check_int
-from handlers.atomic_write import fsync_dir, write_atomically
 from handlers.checkpoint_files import (
     CHECKPOINT_NAME,
     FORMAT_VERSION,
     RESERVED_KEYS,
-    TEMP_NAME,
     CheckpointError,
+    SingleFile,
     claimed_position,
-    link_atomically,
-    read_checkpoint,
-    sha256_of,
+    read_checkpoint,  # noqa: F401 (part of this module's interface: verified reads)
     sidecar_of,
     unloadable_entry,
 )
@@ -44,6 +42,27 @@ from handlers.goal import Goal
 logger = logging.getLogger(__name__)
 SaveHandler = Callable[[Engine], None]
 
+
+
+class CheckpointFormat(Protocol):
+    """How one checkpoint is written, verified and read; ``SingleFile`` and
+    ``handlers.sharded_checkpoint.ShardedFolder`` are the two. Under several processes every
+    process calls each method at the same moment when the format's saves are collective."""
+
+    suffix: str  # of a checkpoint's name: ".pt", ".dcp"
+
+    def snapshot(self, to_save: dict[str, Any]) -> dict[str, Any]: ...
+    def first_non_finite(self, model_state: dict[str, Any]) -> str | None: ...
+    def unloadable(self, payload: dict[str, Any]) -> str | None: ...
+    def write(self, path: Path, payload: dict[str, Any], meta: dict[str, Any], *,
+              file_mode: int, crash: CrashPoints) -> None: ...
+    def read(self, path: Path, *, expected_run_id: str | None,
+             required_keys: tuple[str, ...]) -> dict[str, Any]: ...
+    def restore(self, path: Path, payload: dict[str, Any], targets: dict[str, Any]) -> None: ...
+    def link(self, target: Path, links: list[Path]) -> None: ...
+    def delete(self, path: Path, crash: CrashPoints) -> None: ...
+    def stale_temps(self, dirname: Path) -> list[Path]: ...
+    def remove(self, path: Path) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -75,9 +94,12 @@ class Checkpointer:
     (the run layer's makes a save a collective across processes); ``last_handler`` is the
     wrapped ``save_last``, for a handler that saves at other moments (a graceful stop).
     A save of the iteration just saved is skipped; so is one whose weights are not
-    finite (with a warning). A disk error (ENOSPC, EACCES, read-only folder) raises
-    ``CheckpointError`` with the path and the OS reason, leaving the previous checkpoint
-    intact and no temp file: training stops rather than run on without checkpoints.
+    finite (with a warning). ``checkpoint_format`` writes and reads each checkpoint
+    (default ``SingleFile()``: ``.pt`` files; ``ShardedFolder()``: ``.dcp`` folders, whose
+    saves every process of the group makes together). A disk error (ENOSPC, EACCES,
+    read-only folder) raises ``CheckpointError`` with the path and the OS reason, leaving
+    the previous checkpoint intact and no temp file: training stops rather than run on
+    without checkpoints.
 
     Example::
 
@@ -101,6 +123,7 @@ class Checkpointer:
         save_every: int | None = None,
         wrap_save: Callable[[SaveHandler], SaveHandler] | None = None,
         file_mode: int = 0o640,
+        checkpoint_format: CheckpointFormat | None = None,
     ) -> None:
         _check_to_save(to_save)
         if not isinstance(run_id, str) or not run_id:
@@ -131,6 +154,7 @@ class Checkpointer:
         wrap = wrap_save or (lambda save: save)
         self.last_handler, self.best_handler = wrap(self.save_last), wrap(self.save_best)
         self.file_mode = file_mode
+        self.format = checkpoint_format or SingleFile()
         self._crash = CrashPoints()  # test-only fault injection, off unless its variable is set
         self._history: list[str] = []  # oldest first
         self._best: list[dict[str, Any]] = []  # {"file", "score"}, best first
@@ -156,12 +180,13 @@ class Checkpointer:
             self.last_handler(engine)
 
     def save_last(self, engine: Engine) -> None:
-        """Save the trainer's current state as ``step-<optimizer_step>.pt`` and ``last.pt``."""
+        """Save the trainer's current state as ``step-<optimizer_step>.pt`` and ``last.pt``
+        (``.dcp`` folders in the sharded format)."""
         if engine is not self.trainer:
             raise ValueError("save_last is a trainer handler; attach it to the trainer in to_save")
         if self.trainer.state.iteration == self._last_iteration:
             return  # e.g. OPTIMIZER_STEP(every=N) and EPOCH_COMPLETED at the same iteration
-        name = f"step-{self.trainer.state.optimizer_step:08d}.pt"
+        name = f"step-{self.trainer.state.optimizer_step:08d}{self.format.suffix}"
         history = [kept for kept in self._history if kept != name] + [name]
         self._commit(name, "last", history[-self.keep_last:], self._best,
                      evicted=history[:-self.keep_last], score=None)
@@ -178,7 +203,7 @@ class Checkpointer:
         if not math.isfinite(score):
             logger.warning("%s=%s is not finite: not a best checkpoint", self.metric, score)
             return
-        name = f"best-step-{self.trainer.state.optimizer_step:08d}.pt"
+        name = f"best-step-{self.trainer.state.optimizer_step:08d}{self.format.suffix}"
         ranked = [entry for entry in self._best if entry["file"] != name]
         ranked.append({"file": name, "score": score})
         # A stable sort: a score equal to an earlier one ranks below it.
@@ -208,13 +233,14 @@ class Checkpointer:
                     "required_keys": tuple(self.to_save)}
         if source != "auto":
             path = Path(source)
-            return self._restore(path, read_checkpoint(path, **expected), rejected=[])
+            return self._restore(path, self.format.read(path, **expected), rejected=[])
         self._remove_stale_temp_files()  # left by a save that was killed
         candidates = self._candidates_newest_first()
+        self._refuse_other_format(candidates)
         if not candidates:
             logger.info("no checkpoint in %s: starting fresh", self.dirname)
             return None
-        if not any(sidecar_of(path).exists() or path.name in ("last.pt", "best.pt")
+        if not any(sidecar_of(path).exists() or path.name in self._link_names
                    for path in candidates):
             # A run killed inside its first save: the .pt was never committed (its sidecar is
             # written after it) and last.pt never linked, so no checkpoint exists yet. With
@@ -226,7 +252,7 @@ class Checkpointer:
         rejected: list[tuple[str, str]] = []
         for path in candidates:
             try:
-                payload = read_checkpoint(path, **expected)
+                payload = self.format.read(path, **expected)
             except CheckpointError as err:
                 logger.warning("checkpoint %s rejected: %s; trying an older one", path, err.reason)
                 rejected.append((str(path), err.reason))
@@ -261,8 +287,8 @@ class Checkpointer:
     def _commit(self, name: str, kind: str, history: list[str], best: list[dict[str, Any]],
                 evicted: list[str], score: float | None) -> None:
         state, path = self.trainer.state, self.dirname / name
-        payload = {key: obj.state_dict() for key, obj in self.to_save.items()}
-        bad_tensor = _first_non_finite(payload["model"])
+        payload = self.format.snapshot(self.to_save)
+        bad_tensor = self.format.first_non_finite(payload["model"])
         if bad_tensor is not None:
             logger.warning("not saving %s: model tensor %r is not finite (NaN/inf) at iteration %d",
                            path, bad_tensor, state.iteration)
@@ -278,37 +304,31 @@ class Checkpointer:
                 "metric": None if score is None else {"name": self.metric, "value": score},
                 "saved_at_unix": time.time()}
         payload["meta"] = {**meta, "config": self.config}
-        unloadable = unloadable_entry(payload)
+        unloadable = self.format.unloadable(payload)
         if unloadable:
             raise CheckpointError(path, unloadable)
         self._crash.save_started()
-        writing = {"file_mode": self.file_mode, "crash": self._crash}
         try:
-            write_atomically(path, lambda file: _torch_save(payload, file), **writing)
-            self._crash.reach("before_sidecar")
-            sidecar = {**meta, "file": name, "size_bytes": path.stat().st_size,
-                       "sha256": sha256_of(path)}
-            write_atomically(sidecar_of(path),
-                             lambda file: file.write(json.dumps(sidecar, indent=1).encode()),
-                             **writing)
+            self.format.write(path, payload, meta, file_mode=self.file_mode, crash=self._crash)
             self._crash.reach("before_link")
-            link_atomically(path, self.dirname / "last.pt")
-            if best and best[0]["file"] == name:
-                link_atomically(path, self.dirname / "best.pt")
-            fsync_dir(self.dirname)
+            last, best_link = (self.dirname / link for link in self._link_names)
+            self.format.link(path, [last, *([best_link] if best and best[0]["file"] == name
+                                              else [])])
         except OSError as err:
             raise CheckpointError(path, f"could not save: {err}") from err
         self._history, self._best, self._evict = history, best, evict
         self._last_iteration, self._best_iteration = state.iteration, best_iteration
         self._delete_evicted()
 
+    @property
+    def _link_names(self) -> tuple[str, str]:
+        return f"last{self.format.suffix}", f"best{self.format.suffix}"
+
     def _delete_evicted(self) -> None:
         still_pending = []
         for name in self._evict:
             try:
-                (self.dirname / name).unlink(missing_ok=True)
-                self._crash.reach("during_eviction")
-                sidecar_of(self.dirname / name).unlink(missing_ok=True)
+                self.format.delete(self.dirname / name, self._crash)
             except OSError as err:
                 logger.warning("could not delete evicted checkpoint %s (retrying at the next "
                                "save): %s", name, err)
@@ -317,19 +337,30 @@ class Checkpointer:
 
     def _candidates_newest_first(self) -> list[Path]:
         ranked = []
+        last, best = self._link_names
         for path in self.dirname.iterdir():
-            if path.name in ("last.pt", "best.pt") or CHECKPOINT_NAME.match(path.name):
+            named = CHECKPOINT_NAME.match(path.name)
+            if path.name in (last, best) or (named and path.suffix == self.format.suffix):
                 kind_order = 2 if path.name.startswith("best-") else 1  # history before best
-                order = {"last.pt": 0, "best.pt": 3}.get(path.name, kind_order)
+                order = {last: 0, best: 3}.get(path.name, kind_order)
                 step, iteration = claimed_position(path)
                 ranked.append((-step, -iteration, order, path))
         return [path for *_, path in sorted(ranked)]
 
+    def _refuse_other_format(self, candidates: list[Path]) -> None:
+        """A folder of the other format's checkpoints (a run that saved sharded folders
+        resumed as single files, or the other way round) is an error, not a fresh start."""
+        other = sorted(path.name for path in self.dirname.iterdir()
+                       if CHECKPOINT_NAME.match(path.name)
+                       and path.suffix != self.format.suffix and sidecar_of(path).exists())
+        if other and not candidates:
+            raise CheckpointError(self.dirname, f"holds checkpoints of another format ({other[-1]}"
+                                                f"), this run reads {self.format.suffix} ones")
+
     def _remove_stale_temp_files(self) -> None:
-        for path in self.dirname.iterdir():
-            if TEMP_NAME.match(path.name):
-                logger.info("removing %s, left by an interrupted save", path)
-                path.unlink(missing_ok=True)
+        for path in self.format.stale_temps(self.dirname):
+            logger.info("removing %s, left by an interrupted save", path)
+            self.format.remove(path)
 
     def _restore(self, path: Path, payload: dict[str, Any], rejected: list[tuple[str, str]]
                  ) -> ResumeInfo:
@@ -337,11 +368,7 @@ class Checkpointer:
         same_folder = path.parent.resolve() == self.dirname.resolve()
         if payload["meta"]["run_id"] == self.run_id and same_folder:
             targets["checkpointer"] = self  # retention and best ranking go on where they were
-        for key, target in targets.items():
-            try:
-                target.load_state_dict(payload[key])
-            except Exception as err:  # any failure: name the file and the object
-                raise CheckpointError(path, f"cannot restore {key!r}: {err}") from err
+        self.format.restore(path, payload, targets)
         if targets.get("checkpointer") is self:
             self._delete_evicted()  # finish the eviction of a save that was killed midway
         unused = sorted(payload.keys() - targets.keys() - set(RESERVED_KEYS))
@@ -351,15 +378,6 @@ class Checkpointer:
         logger.info("resumed from %s (epoch %d, iteration %d, optimizer step %d)", path,
                     meta["epoch"], meta["iteration"], meta["optimizer_step"])
         return ResumeInfo(path, meta, rejected)
-
-
-def _torch_save(payload: dict[str, Any], file: BinaryIO) -> None:
-    """``torch.save``, with a failed write as the ``OSError`` it is: the zip writer reports a
-    full disk or a file-size limit as a RuntimeError (``inline_container.cc``)."""
-    try:
-        torch.save(payload, file)
-    except RuntimeError as err:
-        raise OSError((str(err).strip().splitlines() or [type(err).__name__])[0]) from err
 
 
 def _check_to_save(to_save: Mapping[str, Any]) -> None:
@@ -375,20 +393,3 @@ def _check_to_save(to_save: Mapping[str, Any]) -> None:
         if not (callable(getattr(obj, "state_dict", None))
                 and callable(getattr(obj, "load_state_dict", None))):
             raise ValueError(f"to_save[{key!r}] has no state_dict()/load_state_dict()")
-
-
-def _first_non_finite(state: Mapping[str, Any]) -> str | None:
-    """The name of the first tensor holding NaN/inf, or None; one device wait when all are fine."""
-    names, checks = [], []
-    for name, value in state.items():
-        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
-            names.append(name)
-            checks.append(torch.isfinite(value).all())
-    if not checks:
-        return None
-    finite = torch.stack([check.to(checks[0].device) for check in checks])
-    if bool(finite.all()):
-        return None
-    return names[int(torch.nonzero(~finite)[0, 0])]
-
-

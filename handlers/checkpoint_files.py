@@ -13,7 +13,10 @@ fsync of the folder), so a crash at any instant leaves the previous file whole. 
 trusted only when its sidecar exists and the sha256 and size match (``read_checkpoint``).
 ``link_atomically`` switches ``last.pt``/``best.pt`` with ``os.link`` to a temp name and
 ``os.replace``: hard links keep their data alive whatever retention deletes (the folder must
-support hard links). The ``Checkpointer`` (``handlers.checkpoint``) decides what to write when.
+support hard links). The ``Checkpointer`` (``handlers.checkpoint``) decides what to write when;
+``SingleFile`` is this format as the ``Checkpointer`` is given it, and
+``handlers.sharded_checkpoint.ShardedFolder`` the sharded one (a folder per checkpoint, written
+by every process of a ``fully_shard`` run), which ``read_checkpoint`` also reads.
 """
 
 import hashlib
@@ -24,16 +27,21 @@ import re
 import secrets
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
+
+from handlers.atomic_write import fsync_dir, write_atomically
+from handlers.crash_points import CrashPoints
 
 FORMAT_VERSION = 1
 # Keys of every checkpoint besides those of the saved objects.
 RESERVED_KEYS = ("meta", "checkpointer")
 SIDECAR_KEYS = {"format_version", "sha256", "size_bytes", "run_id", "iteration", "optimizer_step"}
-CHECKPOINT_NAME = re.compile(r"^(best-)?step-(\d+)\.pt$")
+# A checkpoint of either format: step-00001200.pt (a file), step-00001200.dcp (a folder).
+CHECKPOINT_NAME = re.compile(r"^(best-)?step-(\d+)\.(pt|dcp)$")
+LINK_NAMES = ("last.pt", "best.pt", "last.dcp", "best.dcp")
 TEMP_NAME = re.compile(r"^\.((best-)?step-\d+|last|best)\.pt(\.json)?\..+\.tmp$")
 _PLAIN_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.Size, torch.dtype,
                 torch.device)
@@ -55,9 +63,16 @@ def read_checkpoint(path: str | os.PathLike, *, expected_run_id: str | None = No
     Raises ``CheckpointError`` whose ``reason`` is e.g. ``truncated (0 bytes)``,
     ``no checksum sidecar ...``, ``checksum mismatch``, ``from another run <id>`` or
     ``not a checkpoint: <error>``. Use it to read weights for evaluation:
-    ``read_checkpoint("checkpoints/best.pt")["model"]``.
+    ``read_checkpoint("checkpoints/best.pt")["model"]``. A sharded checkpoint folder
+    (``best.dcp``) reads the same way, its shards gathered into whole tensors
+    (``handlers.sharded_checkpoint.read_sharded``).
     """
     path = Path(path)
+    if path.is_dir() or path.suffix == ".dcp":
+        from handlers.sharded_checkpoint import read_sharded  # torch.distributed only here
+
+        return read_sharded(path, expected_run_id=expected_run_id, required_keys=required_keys,
+                            whole=True)
     try:
         size = path.stat().st_size
         if size == 0:
@@ -71,12 +86,22 @@ def read_checkpoint(path: str | os.PathLike, *, expected_run_id: str | None = No
             raise CheckpointError(path, f"checksum mismatch{sizes}")
     except OSError as err:
         raise CheckpointError(path, f"unreadable: {err}") from err
+    check_run_id(path, sidecar, expected_run_id)
+    return load_payload(path, path, required_keys)
+
+
+def check_run_id(path: Path, sidecar: dict[str, Any], expected_run_id: str | None) -> None:
     if expected_run_id is not None and sidecar["run_id"] != expected_run_id:
         raise CheckpointError(
             path, f"from another run {sidecar['run_id']} (this run is {expected_run_id})"
         )
+
+
+def load_payload(path: Path, file: Path, required_keys: tuple[str, ...]) -> dict[str, Any]:
+    """``torch.load(file, weights_only=True)`` of checkpoint ``path``, checked to be a dict
+    holding the reserved keys and ``required_keys``."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # weights_only refusals, zip errors: all mean "not ours"
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise CheckpointError(path, f"not a checkpoint: {first_line}") from err
@@ -86,6 +111,96 @@ def read_checkpoint(path: str | os.PathLike, *, expected_run_id: str | None = No
     if missing:
         raise CheckpointError(path, f"not a checkpoint of this setup: missing keys {missing}")
     return payload
+
+
+def restore_each(path: Path, payload: dict[str, Any], targets: dict[str, Any]) -> None:
+    """``target.load_state_dict(payload[key])`` for each target; a failure names the file and
+    the object."""
+    for key, target in targets.items():
+        try:
+            target.load_state_dict(payload[key])
+        except Exception as err:  # any failure: name the file and the object
+            raise CheckpointError(path, f"cannot restore {key!r}: {err}") from err
+
+
+class SingleFile:
+    """The single-file format as the ``Checkpointer`` uses it (see the module docstring): one
+    ``torch.save`` file per checkpoint, written by the one process that saves."""
+
+    suffix = ".pt"
+
+    def snapshot(self, to_save: dict[str, Any]) -> dict[str, Any]:
+        """Every object's state dict: what the checkpoint will hold."""
+        return {key: obj.state_dict() for key, obj in to_save.items()}
+
+    def first_non_finite(self, model_state: dict[str, Any]) -> str | None:
+        return first_non_finite(model_state)
+
+    def unloadable(self, payload: dict[str, Any]) -> str | None:
+        return unloadable_entry(payload)
+
+    def write(self, path: Path, payload: dict[str, Any], meta: dict[str, Any], *,
+              file_mode: int, crash: CrashPoints) -> None:
+        """Commit ``path``: the .pt, then its sidecar (``meta`` plus its sha256 and size)."""
+        write_atomically(path, lambda file: _torch_save(payload, file), file_mode=file_mode,
+                         crash=crash)
+        crash.reach("before_sidecar")
+        sidecar = {**meta, "file": path.name, "size_bytes": path.stat().st_size,
+                   "sha256": sha256_of(path)}
+        write_atomically(sidecar_of(path),
+                         lambda file: file.write(json.dumps(sidecar, indent=1).encode()),
+                         file_mode=file_mode)
+
+    def read(self, path: Path, *, expected_run_id: str | None,
+             required_keys: tuple[str, ...]) -> dict[str, Any]:
+        return read_checkpoint(path, expected_run_id=expected_run_id,
+                               required_keys=required_keys)
+
+    def restore(self, path: Path, payload: dict[str, Any], targets: dict[str, Any]) -> None:
+        restore_each(path, payload, targets)
+
+    def link(self, target: Path, links: list[Path]) -> None:
+        """Switch each of ``links`` (last.pt, best.pt) to ``target``; durable on return."""
+        for link in links:
+            link_atomically(target, link)
+        fsync_dir(target.parent)
+
+    def delete(self, path: Path, crash: CrashPoints) -> None:
+        """Delete an evicted checkpoint: the .pt, then its sidecar."""
+        path.unlink(missing_ok=True)
+        crash.reach("during_eviction")
+        sidecar_of(path).unlink(missing_ok=True)
+
+    def stale_temps(self, dirname: Path) -> list[Path]:
+        """What interrupted saves left in ``dirname``: temp files."""
+        return [path for path in dirname.iterdir() if TEMP_NAME.match(path.name)]
+
+    def remove(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+
+
+def _torch_save(payload: dict[str, Any], file: BinaryIO) -> None:
+    """``torch.save``, with a failed write as the ``OSError`` it is: the zip writer reports a
+    full disk or a file-size limit as a RuntimeError (``inline_container.cc``)."""
+    try:
+        torch.save(payload, file)
+    except RuntimeError as err:
+        raise OSError((str(err).strip().splitlines() or [type(err).__name__])[0]) from err
+
+
+def first_non_finite(state: dict[str, Any]) -> str | None:
+    """The name of the first tensor holding NaN/inf, or None; one device wait when all are fine."""
+    names, checks = [], []
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            names.append(name)
+            checks.append(torch.isfinite(value).all())
+    if not checks:
+        return None
+    finite = torch.stack([check.to(checks[0].device) for check in checks])
+    if bool(finite.all()):
+        return None
+    return names[int(torch.nonzero(~finite)[0, 0])]
 
 
 def link_atomically(target: Path, link: Path) -> None:
@@ -126,13 +241,14 @@ def read_sidecar(path: Path) -> dict[str, Any]:
 
 def claimed_position(path: Path) -> tuple[float, float]:
     """(optimizer step, iteration) to order resume candidates, newest first: the step from
-    the file name, else from the sidecar; without a readable sidecar ``last.pt`` still comes
-    first and ``best.pt`` last. Only an order: every candidate is verified before use."""
+    the file name, else from the sidecar; without a readable sidecar ``last.pt`` (``last.dcp``)
+    still comes first and ``best.pt`` last. Only an order: every candidate is verified before
+    use."""
     try:
         sidecar = json.loads(sidecar_of(path).read_bytes())
         claimed = (int(sidecar["optimizer_step"]), int(sidecar["iteration"]))
     except (OSError, ValueError, KeyError, TypeError):
-        claimed = (math.inf, math.inf) if path.name == "last.pt" else (-1, -1)
+        claimed = (math.inf, math.inf) if path.name in ("last.pt", "last.dcp") else (-1, -1)
     named = CHECKPOINT_NAME.match(path.name)
     return (int(named[2]), claimed[1]) if named else claimed
 

@@ -17,6 +17,7 @@ from torch import nn
 
 import handlers.checkpoint as checkpoint_module
 import handlers.checkpoint_files as checkpoint_files_module
+import handlers.sharded_checkpoint as sharded_checkpoint_module
 from engine import Trainer, TrainEvents, create_trainer
 from engine.run_state import RngState
 from handlers.checkpoint import Checkpointer, CheckpointError, read_checkpoint
@@ -543,7 +544,8 @@ def test_to_save_must_hold_a_model_and_the_trainer(tmp_path, to_save, named):
 
 
 def test_every_torch_load_in_the_checkpoint_code_passes_weights_only_true():
-    loads = [node for module in (checkpoint_module, checkpoint_files_module)
+    loads = [node for module in (checkpoint_module, checkpoint_files_module,
+                                 sharded_checkpoint_module)
              for node in ast.walk(ast.parse(Path(module.__file__).read_text()))
              if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load"]
     assert loads
