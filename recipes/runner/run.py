@@ -44,6 +44,7 @@ from recipes.runner.console import print_closing, print_header
 from recipes.runner.continue_run import choose_run, continue_command
 from recipes.runner.cost import check_recipe_keys, cost_meter
 from recipes.runner.curves import plot_curves
+from recipes.runner.elastic import prepare_start
 from recipes.runner.environment import environment_record
 from recipes.runner.errors import USER_ERRORS
 from recipes.runner.fingerprint import describe_change
@@ -98,6 +99,7 @@ def run(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
     if config.overfit_batches:
         return overfit_run(recipe, config)
     if launched_by_torchrun():
+        prepare_start(config)  # a group that torchrun restarted resumes its run
         with idist.Parallel(backend=_launch(config).backend):  # joins torchrun's group
             return _join_group(recipe, config, given)
     finished = choose_run(recipe.name, recipe.best, config, given)

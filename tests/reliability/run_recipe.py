@@ -22,6 +22,9 @@ Faults, each off unless its variable is set:
     the process sends itself the signal when that trainer iteration starts;
     ``SIGTERM:iteration:N``, ``SIGINT:...`` likewise; ``SIGKILL:validation:E`` when the
     first validation batch of the E-th evaluation completes.
+``RELIABILITY_SIGNAL_RANK="1"`` with ``RELIABILITY_SIGNAL_AT``
+    under torchrun, only the process of that rank sends it, and only in the group's first
+    start (``TORCHELASTIC_RESTART_COUNT`` 0): the group that torchrun restarts runs through.
 ``RELIABILITY_DISK_ERROR="ENOSPC:4"``
     from the 4th checkpoint file on, saving fails like that disk error: ``ENOSPC`` after
     half of the file is written (a full disk), ``EACCES`` and ``EROFS`` when the temp
@@ -58,6 +61,14 @@ def _narrow_build_model(name: str, num_classes: int = 10) -> torch.nn.Module:
     return AirbenchNet(num_classes, widths=TEST_WIDTHS)
 
 
+def _signals_here() -> bool:
+    """Whether this process sends ``RELIABILITY_SIGNAL_AT`` (every process, unless
+    ``RELIABILITY_SIGNAL_RANK`` names one rank of torchrun's first start)."""
+    rank = os.environ.get("RELIABILITY_SIGNAL_RANK")
+    return rank is None or (os.environ.get("RANK") == rank
+                            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+
+
 def _install_trainer_hooks() -> None:
     """Wrap the run layer's ``create_trainer`` to add the NaN, spike, snapshot and signal
     faults."""
@@ -92,14 +103,14 @@ def _install_trainer_hooks() -> None:
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
                            folder / f"it-{engine.state.iteration}.pt")
 
-        if signal_event == "iteration":
+        if signal_event == "iteration" and _signals_here():
             @trainer.on(Events.ITERATION_STARTED(once=int(signal_count)))
             def send_signal(engine):
                 os.kill(os.getpid(), signal.Signals[signal_name])
         return trainer
 
     recipes.runner.run.create_trainer = create_trainer
-    if signal_event == "validation":
+    if signal_event == "validation" and _signals_here():
         real_create_evaluator = recipes.runner.run.create_evaluator
         evaluations = {"count": 0}
 
