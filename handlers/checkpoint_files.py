@@ -57,7 +57,7 @@ class CheckpointError(RuntimeError):
 
 
 def read_checkpoint(path: str | os.PathLike, *, expected_run_id: str | None = None,
-                    required_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+                    required_keys: tuple[str, ...] = (), whole: bool = True) -> dict[str, Any]:
     """Verify ``path`` against its sidecar and load it onto the CPU with ``weights_only=True``.
 
     Raises ``CheckpointError`` whose ``reason`` is e.g. ``truncated (0 bytes)``,
@@ -65,14 +65,15 @@ def read_checkpoint(path: str | os.PathLike, *, expected_run_id: str | None = No
     ``not a checkpoint: <error>``. Use it to read weights for evaluation:
     ``read_checkpoint("checkpoints/best.pt")["model"]``. A sharded checkpoint folder
     (``best.dcp``) reads the same way, its shards gathered into whole tensors
-    (``handlers.sharded_checkpoint.read_sharded``).
+    (``handlers.sharded_checkpoint.read_sharded``); ``whole=False`` verifies every file of
+    it but loads no shard (for its ``meta``: the whole model may not fit one process).
     """
     path = Path(path)
     if path.is_dir() or path.suffix == ".dcp":
         from handlers.sharded_checkpoint import read_sharded  # torch.distributed only here
 
         return read_sharded(path, expected_run_id=expected_run_id, required_keys=required_keys,
-                            whole=True)
+                            whole=whole)
     try:
         size = path.stat().st_size
         if size == 0:
@@ -201,6 +202,19 @@ def first_non_finite(state: dict[str, Any]) -> str | None:
     if bool(finite.all()):
         return None
     return names[int(torch.nonzero(~finite)[0, 0])]
+
+
+def checkpoint_in(folder: Path, name: str) -> Path | None:
+    """``<folder>/<name>.pt``, else the sharded ``<name>.dcp``, whichever exists, or None."""
+    for path in (folder / f"{name}.pt", folder / f"{name}.dcp"):
+        if path.exists():
+            return path
+    return None
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A checkpoint file, or a sharded checkpoint folder."""
+    return path.is_file() or (path.suffix == ".dcp" and path.is_dir())
 
 
 def link_atomically(target: Path, link: Path) -> None:

@@ -45,7 +45,7 @@ def _usage() -> str:
               "`--config FILE` reads keys from a TOML or JSON file (a run's config.json too);",
               "`--print-config` prints the resolved config as such a TOML file.",
               "", "after training (each with --help):",
-              "  python -m recipes <recipe> evaluate|export <run folder or checkpoint>",
+              "  python -m recipes <recipe> evaluate|export|consolidate <run or checkpoint>",
               "  python -m recipes cifar|images predict <run> FILE_OR_FOLDER...",
               "  python -m recipes charlm generate <run> --prompt TEXT"]
     return "\n".join(lines)

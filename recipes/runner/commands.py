@@ -1,10 +1,11 @@
 """Commands next to training: ``python -m recipes <recipe> <command> <run or checkpoint> ...``.
 
-Every recipe has ``evaluate``; a recipe adds its own in ``Recipe.commands`` (every recipe:
-``export``, ``recipes.runner.export``; cifar and images: ``predict``, charlm: ``generate``).
-Each loads the trained model through ``recipes.runner.trained.load_trained`` and writes nothing
-in the run folder except ``evaluate``'s JSON in ``<run>/evaluations/`` and ``export``'s files
-in ``<run>/export/``.
+Every recipe has ``evaluate`` and ``consolidate`` (``recipes.runner.consolidate``); a recipe
+adds its own in ``Recipe.commands`` (every recipe: ``export``, ``recipes.runner.export``; cifar
+and images: ``predict``, charlm: ``generate``). Each loads the trained model through
+``recipes.runner.trained.load_trained`` (``consolidate``: the checkpoint alone) and writes
+nothing in the run folder except ``evaluate``'s JSON in ``<run>/evaluations/`` and
+``export``'s and ``consolidate``'s files in ``<run>/export/``.
 """
 
 import argparse
@@ -23,7 +24,9 @@ VALIDATION = "validation"
 
 
 def commands_of(recipe: Recipe) -> dict[str, Callable[[Recipe, list[str]], int]]:
-    return {"evaluate": evaluate, **recipe.commands}
+    from recipes.runner.consolidate import consolidate  # it builds on this module's parser
+
+    return {"evaluate": evaluate, "consolidate": consolidate, **recipe.commands}
 
 
 def run_command(recipe: Recipe, name: str, args: list[str]) -> int:

@@ -17,11 +17,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from handlers.checkpoint_files import CheckpointError, read_checkpoint, read_sidecar
+from handlers.checkpoint_files import (
+    CheckpointError,
+    checkpoint_in,
+    is_checkpoint,
+    read_checkpoint,
+    read_sidecar,
+)
 from recipes.runner.api import Context, Recipe
 from recipes.runner.config import ConfigError
 
-EXPECTED = "expected a run folder or one of its checkpoint files (a .pt with its .pt.json)"
+EXPECTED = ("expected a run folder or one of its checkpoints (a .pt with its .pt.json, or a "
+            ".dcp folder with its .dcp.json)")
 
 
 @dataclass(frozen=True)
@@ -33,10 +40,11 @@ class InitWeights:
 
 
 def run_has_started(run_dir: Path) -> bool:
-    """True when the run folder holds a committed checkpoint (``last.pt`` or a sidecar), the
-    ones a resume would load: a first save killed before its sidecar leaves none."""
+    """True when the run folder holds a committed checkpoint (``last.pt``, ``last.dcp`` or a
+    sidecar), the ones a resume would load: a first save killed before its sidecar leaves
+    none."""
     folder = run_dir / "checkpoints"
-    return (folder / "last.pt").exists() or any(folder.glob("*.pt.json"))
+    return checkpoint_in(folder, "last") is not None or any(folder.glob("*.json"))
 
 
 def applies(config: Any, run_dir: Path) -> bool:
@@ -47,17 +55,19 @@ def applies(config: Any, run_dir: Path) -> bool:
 
 
 def resolve_checkpoint(source: str) -> Path:
-    """The checkpoint file ``source`` names: the file itself, or a run folder's (or its
-    ``checkpoints`` folder's) ``best.pt``, else ``last.pt``."""
+    """The checkpoint ``source`` names: the file (or sharded folder) itself, or a run
+    folder's (or its ``checkpoints`` folder's) ``best.pt``, else ``last.pt`` (``.dcp`` for
+    a run that saved sharded checkpoints)."""
     path = Path(source).expanduser()
-    if path.is_file():
+    if is_checkpoint(path):
         return path
     if not path.is_dir():
         raise ConfigError(f"--init-from {source}: no such file or folder; {EXPECTED}")
     for folder in (path / "checkpoints", path):
-        for name in ("best.pt", "last.pt"):
-            if (folder / name).is_file():
-                return folder / name
+        for name in ("best", "last"):
+            found = checkpoint_in(folder, name)
+            if found is not None:
+                return found
     raise ConfigError(f"--init-from {source}: no checkpoints/best.pt or last.pt in this "
                       f"folder; {EXPECTED}")
 

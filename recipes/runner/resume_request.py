@@ -13,6 +13,7 @@ from typing import Any
 
 from handlers.checkpoint_files import (
     CHECKPOINT_NAME,
+    LINK_NAMES,
     CheckpointError,
     claimed_position,
     read_checkpoint,
@@ -42,10 +43,10 @@ def saved_in_checkpoints(checkpoints: Path) -> dict[str, Any] | None:
     if not checkpoints.is_dir():
         return None
     candidates = [path for path in checkpoints.iterdir()
-                  if path.name in ("last.pt", "best.pt") or CHECKPOINT_NAME.match(path.name)]
+                  if path.name in LINK_NAMES or CHECKPOINT_NAME.match(path.name)]
     for path in sorted(candidates, key=claimed_position, reverse=True):
         try:
-            meta = read_checkpoint(path)["meta"]
+            meta = read_checkpoint(path, whole=False)["meta"]
         except CheckpointError:
             continue
         config = dict(meta.get("config") or {})
@@ -62,7 +63,7 @@ def check_resume_file(resume: str, run_id: str) -> None:
     if resume in ("auto", "never"):
         return
     try:
-        read_checkpoint(resume, expected_run_id=run_id)
+        read_checkpoint(resume, expected_run_id=run_id, whole=False)
     except CheckpointError as error:
         raise ConfigError(f"--resume: {error}; a checkpoint resumes only in its own run "
                           "folder (its --run-name or --run-dir)") from None

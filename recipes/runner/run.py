@@ -138,7 +138,8 @@ def _check_run(recipe: Recipe, config: RunConfig, given: set[str]) -> tuple[Path
         raise ConfigError("--run-name: must not be empty; leave it out for a timestamp")
     run_dir = resolve_run_dir(recipe.name, config.run_name, config.run_dir)
     saved = read_saved_config(run_dir)
-    if config.resume == "never" and any((run_dir / "checkpoints").glob("*.pt")):
+    if config.resume == "never" and any(path.suffix in (".pt", ".dcp")
+                                        for path in (run_dir / "checkpoints").glob("*")):
         raise ConfigError(f"--resume never: {run_dir} already holds checkpoints; use --resume auto "
                           "to continue it or another --run-name to start anew")
     if config.resume == "never":

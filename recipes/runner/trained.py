@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from handlers import CheckpointError
-from handlers.checkpoint_files import read_checkpoint
+from handlers.checkpoint_files import checkpoint_in, is_checkpoint, read_checkpoint
 from recipes.runner.api import Context, Parts, Recipe
 from recipes.runner.config import ConfigError, validate
 from recipes.runner.fingerprint import describe_change
@@ -47,9 +47,10 @@ class Trained:
 
 
 def find_checkpoint(source: str, checkpoint: str) -> tuple[Path, Path]:
-    """(checkpoint file, run folder) for ``source``, a run folder or a checkpoint file."""
+    """(checkpoint, run folder) for ``source``, a run folder or a checkpoint (a file, or a
+    sharded checkpoint's folder)."""
     path = Path(source).expanduser()
-    if path.is_file():
+    if is_checkpoint(path):
         run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
         return path, run_dir
     if not path.is_dir():
@@ -58,8 +59,9 @@ def find_checkpoint(source: str, checkpoint: str) -> tuple[Path, Path]:
     if not folder.is_dir():
         raise ConfigError(f"{source}: not a run folder (it has no checkpoints/ folder); give "
                           "a run folder (runs/<recipe>/<name>) or a .pt checkpoint file")
-    file = folder / f"{checkpoint}.pt"
-    if not file.is_file():
+    file = checkpoint_in(folder, checkpoint)
+    if file is None:
+        file = folder / f"{checkpoint}.pt"
         hint = (" (the run stopped before its first evaluation?); try --checkpoint last"
                 if checkpoint == "best" else "")
         raise ConfigError(f"{file}: no such checkpoint{hint}")
