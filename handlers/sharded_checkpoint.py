@@ -141,6 +141,15 @@ class ShardedFolder:
         raised on every process."""
         crash.reach("before_temp")
         temp = _agree_on_temp_folder(path)
+        try:
+            self._write_into(temp, path, payload, meta, file_mode=file_mode, crash=crash)
+        except BaseException:
+            if _rank() == 0:  # DCP raises only once every process has stopped writing
+                shutil.rmtree(temp, ignore_errors=True)
+            raise
+
+    def _write_into(self, temp: Path, path: Path, payload: dict[str, Any], meta: dict[str, Any],
+                    *, file_mode: int, crash: CrashPoints) -> None:
         sharded = {key: payload[key] for key in SHARDED_KEYS if key in payload}
         try:
             dcp.save(sharded, storage_writer=dcp.FileSystemWriter(temp, sync_files=True))

@@ -3,6 +3,7 @@ CPU (gloo) save, verify and resume bit-identically; the same folders resume on o
 and read whole into a plain model; an incomplete or corrupt newest folder gives way to the
 previous one; a save killed at each phase of its commit resumes from a complete checkpoint."""
 
+import errno
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
+import handlers.sharded_checkpoint as sharded_checkpoint
 from engine import Trainer, create_trainer
 from engine.run_state import RngState
 from handlers.checkpoint import Checkpointer, CheckpointError
@@ -119,8 +121,35 @@ def _two_process_worker(rank: int, port: int, root: Path) -> None:
                                              options=StateDictOptions(full_state_dict=True))
         if rank == 0:  # what the two processes held at the end, whole
             torch.save({"model": got, "optimizer": optimizer}, root / "final.pt")
+        _disk_full_on_rank_zero(resumed, rank, root / "checkpoints")
     finally:
         dist.destroy_process_group()
+
+
+def _disk_full_on_rank_zero(run: Run, rank: int, folder: Path) -> None:
+    """A save in which rank 0 finds the disk full as it writes state.pt, after every process
+    wrote its shards: rank 0 raises CheckpointError naming the disk error (the run layer's
+    EveryRankSave then stops every process), the temp folder with every process's shards is
+    removed, and the newest checkpoint is untouched."""
+    run.trainer.state.iteration = run.trainer.state.optimizer_step = 9
+    real = sharded_checkpoint._write_durably
+    if rank == 0:
+        def full(file, payload):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        sharded_checkpoint._write_durably = full
+    try:
+        run.ckpt.save_last(run.trainer)
+        raised = None
+    except CheckpointError as error:
+        raised = error
+    finally:
+        sharded_checkpoint._write_durably = real
+    dist.barrier()
+    assert (raised is not None) == (rank == 0)
+    if rank == 0:
+        assert "could not save: [Errno 28] No space left on device" in raised.reason
+        assert not [path for path in folder.iterdir() if path.name.endswith(".tmp")]
+        assert os.readlink(folder / "last.dcp") == "step-00000008.dcp"
 
 
 def _free_port() -> int:
