@@ -17,7 +17,7 @@ from handlers.lr_scheduling import (
     optimizer_steps_per_epoch,
 )
 from handlers.progress import Progress
-from handlers.tensorboard import TensorBoardLogger
+from handlers.run_logger import RunLogger
 from handlers.weight_averaging import WeightAveraging
 
 __all__ = [
@@ -34,8 +34,8 @@ __all__ = [
     "Lookahead",
     "Progress",
     "ResumeInfo",
+    "RunLogger",
     "TelemetryReport",
-    "TensorBoardLogger",
     "WeightAveraging",
     "build_scheduler",
     "continue_with_new_settings",

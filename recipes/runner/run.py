@@ -358,8 +358,8 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
             print(f"error: {error}", file=sys.stderr)
     finally:
         handlers.stop.restore()
-        if handlers.tensorboard is not None:  # flushes what an exception left unwritten
-            handlers.tensorboard.close()
+        if handlers.logger is not None:  # flushes what an exception left unwritten
+            handlers.logger.close()
     stop = handlers.stop
     if stop.exit_code is not None and exit_code == 0:  # a failed save outranks the signal
         status, exit_code = f"interrupted by {stop.received.name}", stop.exit_code
@@ -463,5 +463,5 @@ def describe_run(recipe: Recipe, config: RunConfig) -> str:
         trainer, evaluator, _, handlers = build_run(recipe, config, started)
         handlers.stop.restore()
         text = wiring_table({"trainer": trainer, "evaluator": evaluator})
-        handlers.tensorboard.close()  # before its folder goes
+        handlers.logger.close()  # before its folder goes
     return text

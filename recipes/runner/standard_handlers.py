@@ -26,15 +26,17 @@ from handlers import (
     Handler,
     LRSchedulerHandler,
     Progress,
-    TensorBoardLogger,
+    RunLogger,
     build_scheduler,
 )
 from handlers.cost import CostMeter
 from handlers.graceful_stop import GracefulStop
 from handlers.history import RunHistory
+from handlers.jsonl_sink import JsonLinesSink
 from handlers.progress import Evaluations
 from handlers.spike_guard import SpikeAction, SpikeGuard
 from handlers.startup_checks import StartupChecks
+from handlers.tensorboard import TensorBoardSink
 from handlers.time_left import EvaluationSchedule
 from handlers.weight_averaging import WeightAveraging
 from recipes.runner.api import RunPlan
@@ -105,7 +107,7 @@ class StandardHandlers:
     make_scheduler: Callable[[], LRSchedulerHandler | None]
     evaluation: Evaluation
     spike_guard: SpikeGuard | None = None
-    tensorboard: TensorBoardLogger | None = None  # rank 0's
+    logger: RunLogger | None = None  # rank 0's
     progress: Progress | None = None  # rank 0's
     cost: CostMeter | None = None
 
@@ -156,7 +158,8 @@ TRAIN_DATA = "train_data"
 # data (the guard moves both forward itself: the batches after a spike are skipped, never
 # replayed), the guard, and the records of what happened.
 NOT_ROLLED_BACK = ("trainer", TRAIN_DATA, "spike_guard", "telemetry", "history",
-                   "tensorboard", "early_stopping")
+                   "logger", "early_stopping")
+METRICS_FILE = "metrics.jsonl"  # every logged record, one JSON object a line
 
 
 def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunConfig,
@@ -184,19 +187,21 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         spike_guard.rolls_back({name: obj for name, obj in to_save.items()
                                 if name not in NOT_ROLLED_BACK})
         to_save["spike_guard"] = spike_guard
-    tensorboard = progress = None
+    logger = progress = None
     if site.rank == 0:  # only rank 0 writes; every rank loads the same checkpoint
-        tensorboard = TensorBoardLogger(site.run_dir, hparams=dataclasses.asdict(config),
-                                        batch_size=config.batch_size, modes=site.modes,
-                                        telemetry=telemetry, cost=site.cost)
-        to_save["tensorboard"] = tensorboard
+        sinks = {"tensorboard": TensorBoardSink(site.run_dir),
+                 "metrics": JsonLinesSink(site.run_dir / METRICS_FILE)}
+        logger = RunLogger(sinks, hparams=dataclasses.asdict(config),
+                           batch_size=config.batch_size, modes=site.modes, telemetry=telemetry,
+                           cost=site.cost)
+        to_save["logger"] = logger
         schedule = EvaluationSchedule(evaluation.due, evaluation.forwards)
         progress = Progress(mode=config.progress, stream=site.progress_stream,
                             telemetry=telemetry, evaluations=Evaluations(
                                 history, goal, site.plan.steps_per_epoch, schedule),
                             cost=site.cost)
         if spike_guard is not None:
-            spike_guard.add_listener(lambda action: _log_spike_action(tensorboard, action))
+            spike_guard.add_listener(lambda action: _log_spike_action(logger, action))
     # RankZeroSave: rank 0 writes, every rank takes part, so a failed save stops them all.
     checkpointer = Checkpointer(
         site.run_dir / "checkpoints", to_save, run_id=site.run_id,
@@ -208,12 +213,15 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         StartupChecks(site.num_classes) if config.checks == "on" else None,
         telemetry,  # the step's numbers, before anything that reports them
         history,
-        site.cost,  # at EPOCH_COMPLETED, before the evaluation line and TensorBoard show it
+        site.cost,  # at EPOCH_COMPLETED, before the evaluation line and the logger show it
         early_stopping,
         scheduler,  # after the step's telemetry, which logs the LR the step used
+        # Before the evaluation at EPOCH_COMPLETED, whose best checkpoint is the epoch's
+        # only save when it is the newest: that save holds the epoch's perf record and its
+        # val record (the logger's evaluator handler runs before the checkpointer's).
+        logger,
         evaluation,  # at EPOCH_COMPLETED, before the saves: a resume never skips it
         spike_guard,  # after the schedule and averaging, before the saves
-        tensorboard,  # before the saves: a checkpoint taken at an evaluation holds its bests
         checkpointer,
         progress,
         stop,  # last at EPOCH_COMPLETED: after the epoch's evaluation and save
@@ -222,11 +230,11 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         if handler is not None:
             handler.attach(trainer, evaluator)
     return StandardHandlers(telemetry, history, scheduler, early_stopping, checkpointer, stop,
-                            make_scheduler, evaluation, spike_guard, tensorboard, progress,
+                            make_scheduler, evaluation, spike_guard, logger, progress,
                             site.cost)
 
 
-def _log_spike_action(tensorboard: TensorBoardLogger, action: SpikeAction) -> None:
+def _log_spike_action(logger: RunLogger, action: SpikeAction) -> None:
     """``health/spikes_skipped``, ``health/rollbacks`` and ``health/lr_scale`` at each action."""
-    tensorboard.log_now({f"health/{name}": value for name, value in action.counts.items()},
+    logger.log_now({f"health/{name}": value for name, value in action.counts.items()},
                         action.step)

@@ -9,7 +9,7 @@ from handlers import (
     Lookahead,
     LRSchedulerHandler,
     Progress,
-    TensorBoardLogger,
+    RunLogger,
     WeightAveraging,
 )
 from handlers.graceful_stop import GracefulStop
@@ -18,8 +18,8 @@ from handlers.spike_guard import SpikeGuard
 from handlers.startup_checks import StartupChecks
 
 HANDLERS = [Checkpointer, EarlyStopping, GracefulStop, GradientTelemetry, Lookahead,
-            LRSchedulerHandler, Progress, RunHistory, SpikeGuard, StartupChecks,
-            TensorBoardLogger, WeightAveraging]
+            LRSchedulerHandler, Progress, RunHistory, RunLogger, SpikeGuard, StartupChecks,
+            WeightAveraging]
 
 
 @pytest.mark.parametrize("handler", HANDLERS, ids=lambda handler: handler.__name__)

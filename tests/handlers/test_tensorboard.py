@@ -7,16 +7,23 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 from torch import nn
 
-import handlers.tensorboard as tensorboard_module
+import handlers.run_logger as run_logger_module
 from engine import create_evaluator, create_trainer
 from handlers.cost import CostMeter
 from handlers.event_file import read_events
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport
-from handlers.tensorboard import REPORTS_PER_WRITE, TensorBoardLogger, flatten
+from handlers.run_logger import REPORTS_PER_WRITE, RunLogger
+from handlers.tensorboard import TensorBoardSink, flatten
 
 BATCH, BATCHES = 5, 8
 TELEMETRY = GradientTelemetry(log_every=1)  # for a logger that is never attached
 HPARAMS = {"optimizer": {"name": "sgd", "lr": 0.1}, "epochs": 2, "amp": False, "milestones": (3, 6)}
+
+
+def tensorboard_logger(log_dir, **options):
+    """The run logger with TensorBoard as its one sink."""
+    return RunLogger({"tensorboard": TensorBoardSink(log_dir)}, telemetry=TELEMETRY,
+                     **options)
 
 
 def train(log_dir, precision="fp32", logger_state=None, bias_lr=None, cost=None):
@@ -41,7 +48,8 @@ def train(log_dir, precision="fp32", logger_state=None, bias_lr=None, cost=None)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(data[:2]))
     if cost is not None:
         cost.attach(trainer)
-    logger = TensorBoardLogger(log_dir, hparams=HPARAMS, telemetry=telemetry, cost=cost)
+    logger = RunLogger({"tensorboard": TensorBoardSink(log_dir)}, hparams=HPARAMS,
+                       telemetry=telemetry, cost=cost)
     if logger_state is not None:
         logger.load_state_dict(torch.load(logger_state, weights_only=True))
     logger.attach(trainer, evaluator)
@@ -144,7 +152,7 @@ def test_amp_scale_only_under_fp16(tmp_path):
 
 
 def test_best_metrics_survive_a_state_roundtrip(tmp_path):
-    torch.save({"best": {"loss": 1e-3, "accuracy": 0.0}}, tmp_path / "logger.pt")
+    torch.save({"best": {"loss": 1e-3, "accuracy": 0.0}, "sinks": {}}, tmp_path / "logger.pt")
     events, _ = train(tmp_path / "run", logger_state=tmp_path / "logger.pt")
     assert events.Scalars("best/val/loss")[0].value == pytest.approx(1e-3)  # the saved one
     assert events.Scalars("best/val/accuracy")[0].value == pytest.approx(
@@ -161,11 +169,11 @@ def test_flatten_keeps_plain_values_and_stringifies_the_rest():
 @pytest.mark.parametrize("batch_size", [0, 2.5, True])
 def test_rejects_a_bad_batch_size(tmp_path, batch_size):
     with pytest.raises(ValueError, match="batch_size"):
-        TensorBoardLogger(tmp_path, batch_size=batch_size, telemetry=TELEMETRY)
+        tensorboard_logger(tmp_path, batch_size=batch_size)
 
 
 def test_a_checkpoint_of_the_logger_puts_its_curves_on_disk_first(tmp_path):
-    logger = TensorBoardLogger(tmp_path, telemetry=TELEMETRY)
+    logger = tensorboard_logger(tmp_path)
     for step in (10, 20):
         logger._on_report(TelemetryReport(step=step, stats={"loss_mean": step / 10}))
     logger.state_dict()  # what each checkpoint save calls
@@ -183,7 +191,7 @@ def read_records(log_dir):
 
 
 def test_reports_reach_the_file_at_each_checkpoint_each_in_one_event(tmp_path):
-    logger = TensorBoardLogger(tmp_path, telemetry=TELEMETRY)
+    logger = tensorboard_logger(tmp_path)
     for step in (10, 20):
         logger._on_report(TelemetryReport(step=step, stats={"loss_mean": step / 10, "lr": 0.1}))
     assert [event.step for event in read_records(tmp_path)] == [0]  # still in the buffer
@@ -198,14 +206,14 @@ def test_reports_reach_the_file_at_each_checkpoint_each_in_one_event(tmp_path):
 
 def test_reports_are_encoded_in_batches_stamped_with_the_time_each_came(tmp_path, monkeypatch):
     clock = iter(range(1000, 2000))
-    monkeypatch.setattr(tensorboard_module.time, "time", lambda: float(next(clock)))
-    logger = TensorBoardLogger(tmp_path, telemetry=TELEMETRY)
+    monkeypatch.setattr(run_logger_module.time, "time", lambda: float(next(clock)))
+    logger = tensorboard_logger(tmp_path)
     for step in range(1, REPORTS_PER_WRITE):
         logger._on_report(TelemetryReport(step=step, stats={"loss_mean": 1.0}))
-    logger.writer.flush()
+    logger.sinks["tensorboard"].flush()
     assert [event.step for event in read_records(tmp_path)] == [0]  # held as numbers
     logger._on_report(TelemetryReport(step=REPORTS_PER_WRITE, stats={"loss_mean": 1.0}))
-    logger.writer.flush()
+    logger.sinks["tensorboard"].flush()
     events = read_records(tmp_path)[1:]
     assert [e.step for e in events] == list(range(1, REPORTS_PER_WRITE + 1))
     times = [e.wall_time for e in events]
@@ -214,7 +222,7 @@ def test_reports_are_encoded_in_batches_stamped_with_the_time_each_came(tmp_path
 
 
 def test_held_reports_are_written_before_any_later_event(tmp_path):
-    logger = TensorBoardLogger(tmp_path, telemetry=TELEMETRY)
+    logger = tensorboard_logger(tmp_path)
     logger._on_report(TelemetryReport(step=10, stats={"loss_mean": 1.0}))
     logger.log_now({"health/rollbacks": 1.0}, step=10)
     logger._on_report(TelemetryReport(step=20, stats={"loss_mean": 2.0}))

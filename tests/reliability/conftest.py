@@ -15,6 +15,7 @@ reference and the resumed runs must use the same thread count to be bit-identica
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 import os
 import shutil
@@ -258,6 +259,18 @@ def tensorboard_scalars(run_dir: Path, tag: str) -> dict[int, list[float]]:
     return values
 
 
+def metrics_records(run_dir: Path) -> list[dict[str, Any]]:
+    """``metrics.jsonl`` without what differs between two runs of the same job: each
+    record's ``time`` and the values of its ``perf/*`` timings (their tags stay)."""
+    records = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        del record["time"]
+        records.append({tag: None if tag.startswith("perf/") else value
+                        for tag, value in record.items()})
+    return records
+
+
 def checkpoint_files(run_dir: Path) -> list[str]:
     return sorted(path.name for path in (run_dir / "checkpoints").iterdir())
 
@@ -270,11 +283,20 @@ class Reference:
     state: dict[str, Any]
     losses: dict[int, list[float]]
     files: list[str]
+    metrics: list[dict[str, Any]]
 
     @classmethod
     def of(cls, run_dir: Path) -> "Reference":
         return cls(run_dir, final_checkpoint(run_dir), tensorboard_scalars(run_dir, "train/loss"),
-                   checkpoint_files(run_dir))
+                   checkpoint_files(run_dir), metrics_records(run_dir))
+
+    def assert_same_metrics(self, run_dir: Path) -> None:
+        """``metrics.jsonl`` holds the reference's records, in its order, each with the same
+        step, epoch, tags and values (but times): none duplicated, none missing."""
+        records = metrics_records(run_dir)
+        assert [(r["step"], r["epoch"]) for r in records] == [
+            (r["step"], r["epoch"]) for r in self.metrics]
+        assert records == self.metrics
 
     def assert_matches(self, run_dir: Path, stopped_at_step: int | None = None) -> None:
         """Final model, optimizer, scaler, scheduler, trainer counters, RNG, handler states

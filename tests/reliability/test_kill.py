@@ -1,5 +1,6 @@
 """kill -9 at random moments and inside every phase of a checkpoint save: running the same
-command again finishes the run bit-identically to one that was never interrupted."""
+command again finishes the run bit-identically to one that was never interrupted, with the
+same records in metrics.jsonl."""
 
 import json
 import random
@@ -36,6 +37,7 @@ def test_kill9_at_a_random_moment_then_rerun_finishes_identically(seed, referenc
     resumed = harness.run_recipe(run_dir)
     assert resumed.returncode == 0, resumed.stderr
     reference.assert_matches(run_dir)
+    reference.assert_same_metrics(run_dir)
 
 
 
@@ -56,6 +58,7 @@ def test_kill9_at_fp16_or_bf16_then_rerun_finishes_identically(low_precision_job
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
     job.reference.assert_matches(run_dir)
+    job.reference.assert_same_metrics(run_dir)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", CRASH_PHASES)
@@ -79,6 +82,7 @@ def test_crash_inside_a_checkpoint_save_then_rerun_finishes_identically(phase, r
     resumed_from = 12 if phase in ("before_link", "during_eviction") else 9
     assert f"iteration {resumed_from}, step {resumed_from})" in resumed.stdout
     reference.assert_matches(run_dir)  # also: no temp file and no orphan sidecar left
+    reference.assert_same_metrics(run_dir)
 
 
 # One phase in `make test`; tests/handlers/test_checkpoint.py kills the first save at every
@@ -99,6 +103,7 @@ def test_crash_inside_the_first_save_then_rerun_starts_over_and_finishes_identic
     assert restarted.returncode == 0, restarted.stderr
     assert "never got its sidecar" in restarted.stderr and "resumed from" not in restarted.stdout
     reference.assert_matches(run_dir)
+    reference.assert_same_metrics(run_dir)
 
 
 @pytest.mark.slow
@@ -114,6 +119,7 @@ def test_two_crashes_in_a_row_then_rerun_finishes_identically(reference, harness
     third = harness.run_recipe(run_dir)
     assert third.returncode == 0, third.stderr
     reference.assert_matches(run_dir)
+    reference.assert_same_metrics(run_dir)
 
 
 @pytest.mark.slow
@@ -131,6 +137,7 @@ def test_unwrapped_command_line_with_the_full_size_net_resumes_identically(harne
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
     reference.assert_matches(run_dir)
+    reference.assert_same_metrics(run_dir)
 
 
 def test_rerun_of_a_finished_run_trains_nothing_and_changes_no_checkpoint(reference, harness,
@@ -145,3 +152,4 @@ def test_rerun_of_a_finished_run_trains_nothing_and_changes_no_checkpoint(refere
     assert "the run is already complete: nothing left to train" in rerun.stdout
     assert harness.file_digests(run_dir / "checkpoints") == checkpoints
     reference.assert_matches(run_dir)
+    reference.assert_same_metrics(run_dir)
