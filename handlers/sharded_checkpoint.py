@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from handlers.atomic_write import fsync_dir, write_atomically
 from handlers.checkpoint_files import (
@@ -130,7 +131,12 @@ class ShardedFolder:
         return names[int(bad[0, 0])] if len(bad) else None
 
     def unloadable(self, payload: dict[str, Any]) -> str | None:
-        """What ``state.pt`` could not load back (DCP writes the sharded entries)."""
+        """What ``state.pt`` could not load back (DCP writes the sharded entries); a sharded
+        tensor anywhere else is named as such."""
+        for key, value in payload.items():
+            if key not in SHARDED_KEYS and _holds_dtensor(value):
+                return (f"checkpoint[{key!r}] holds sharded tensors (DTensor): only "
+                        f"{' and '.join(SHARDED_KEYS)} are saved sharded")
         return unloadable_entry({key: value for key, value in payload.items()
                                  if key not in SHARDED_KEYS})
 
@@ -324,6 +330,16 @@ def _own_entry(path: Path, by_rank: list[Any]) -> Any:
     logger.warning("%s was written by %d process(es): rank %d takes rank 0's random state",
                    path, len(by_rank), rank)
     return by_rank[0]
+
+
+def _holds_dtensor(value: Any) -> bool:
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_dtensor(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_dtensor(item) for item in value)
+    return False
 
 
 def _gather(value: Any) -> list[Any]:

@@ -317,3 +317,33 @@ def test_a_sharded_first_save_killed_before_its_sidecar_starts_fresh(tmp_path, p
     fresh = _build(tmp_path, shard=False, keep_last=1)
     assert fresh.ckpt.resume("auto") is None
     assert not [path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
+
+
+class _Holder:
+    """A handler whose state holds a copy of the (sharded) weights, as an average does."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return {"average": {name: tensor.detach().clone()
+                            for name, tensor in self.model.state_dict().items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_sharded_tensors_outside_the_model_and_optimizer_are_refused_by_name(tmp_path):
+    dist.init_process_group("gloo", rank=0, world_size=1,
+                            store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        run = _build(tmp_path / "checkpoints", shard=True)
+        run.ckpt.to_save["averaging"] = _Holder(run.model)
+        run.trainer.state.iteration = run.trainer.state.optimizer_step = 1
+        with pytest.raises(CheckpointError, match=r"checkpoint\['averaging'\] holds sharded "
+                                                  r"tensors \(DTensor\): only model and "
+                                                  r"optimizer are saved sharded"):
+            run.ckpt.save_last(run.trainer)
+    finally:
+        dist.destroy_process_group()
+    assert list((tmp_path / "checkpoints").iterdir()) == []
