@@ -44,6 +44,9 @@ import re
 import secrets
 import shutil
 import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +161,8 @@ class ShardedFolder:
                     *, file_mode: int, crash: CrashPoints) -> None:
         sharded = {key: payload[key] for key in SHARDED_KEYS if key in payload}
         try:
-            dcp.save(sharded, storage_writer=dcp.FileSystemWriter(temp, sync_files=True))
+            with _quiet_about_one_process():
+                dcp.save(sharded, storage_writer=dcp.FileSystemWriter(temp, sync_files=True))
         except CheckpointException as err:  # DCP gathers every process's failure into it
             raise OSError(_first_line(err)) from err
         if _rank() != 0:
@@ -196,7 +200,8 @@ class ShardedFolder:
             sharded: dict[str, Any] = {"model": get_model_state_dict(model)}
             if optimizer is not None:
                 sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
-            dcp.load(sharded, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            with _quiet_about_one_process():
+                dcp.load(sharded, storage_reader=dcp.FileSystemReader(path), no_dist=True)
             set_model_state_dict(model, sharded["model"])
             if optimizer is not None:
                 set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
@@ -296,7 +301,8 @@ def _gather_shards(path: Path) -> dict[str, Any]:
     the optimizer's state re-keyed from parameter names to indices."""
     buffer = io.BytesIO()
     try:
-        dcp_to_torch_save(path, buffer)
+        with _quiet_about_one_process():
+            dcp_to_torch_save(path, buffer)
         buffer.seek(0)
         tensors = torch.load(buffer, map_location="cpu", weights_only=True)
     except (Exception, CheckpointException) as err:
@@ -393,6 +399,16 @@ def _replace_folder(temp: Path, path: Path) -> None:
     os.rename(temp, path)
     if doomed is not None:
         shutil.rmtree(doomed)
+
+
+@contextmanager
+def _quiet_about_one_process() -> Iterator[None]:
+    """DCP warns at every save or load without a process group, and at every load with
+    ``no_dist``: here both are meant (a one-process run; each process reading its own
+    slices), so the warning would only repeat at every checkpoint."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _first_line(err: BaseException) -> str:
