@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from engine import resolve_precision
+from handlers.checkpoint_files import checkpoint_in
 from handlers.progress import best_so_far, format_duration
 from recipes.runner.api import Recipe
 from recipes.runner.run_config import RunConfig
@@ -64,10 +65,10 @@ def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
     lines = [f"{status}: epoch {summary['epochs_completed']}/{epochs}, "
              f"{summary['optimizer_steps']:,} steps in "
              f"{format_duration(summary['wall_time_sec'])}"]
-    best_file = run_dir / "checkpoints" / "best.pt"
+    best_file = checkpoint_in(run_dir / "checkpoints", "best")  # best.pt, or best.dcp
     evaluations = handlers.progress.evaluations
     found = best_so_far(evaluations.history, evaluations.best, evaluations.steps_per_epoch)
-    has_best = found is not None and best_file.exists()
+    has_best = found is not None and best_file is not None
     if has_best:
         lines.append(f"  best     {best_file}: {evaluations.best.metric} {found[0]:.4g} "
                      f"(epoch {found[1]})")

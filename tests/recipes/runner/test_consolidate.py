@@ -2,7 +2,9 @@
 single .pt file a one-process run would have saved (verified, loadable into the plain model),
 and ``evaluate`` and ``export`` read the folders directly."""
 
+import contextlib
 import functools
+import io
 import json
 import shutil
 from pathlib import Path
@@ -31,8 +33,10 @@ def sharded_run(tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(standard_handlers, "Checkpointer", functools.partial(
             standard_handlers.Checkpointer, checkpoint_format=ShardedFolder()))
-        assert main([*CHARLM, "--text", str(folder / "text.txt"),
-                     "--run-dir", str(folder / "run")]) == 0
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            assert main([*CHARLM, "--text", str(folder / "text.txt"),
+                         "--run-dir", str(folder / "run")]) == 0
+    (folder / "train.out").write_text(printed.getvalue())
     checkpoints = folder / "run" / "checkpoints"
     assert (checkpoints / "best.dcp").is_dir() and not list(checkpoints.glob("*.pt"))
     return folder / "run"
@@ -102,3 +106,9 @@ def test_a_new_run_takes_its_weights_from_a_sharded_run(sharded_run, tmp_path):
     record = json.loads((tmp_path / "new" / "config.json").read_text())["init_from"]
     # best.dcp is a symbolic link: the record names the folder it pointed at.
     assert Path(record["path"]).samefile(sharded_run / "checkpoints" / "best.dcp")
+
+
+def test_the_closing_lines_name_the_sharded_best_checkpoint(sharded_run):
+    printed = (sharded_run.parent / "train.out").read_text()
+    assert f"  best     {sharded_run / 'checkpoints' / 'best.dcp'}: loss " in printed
+    assert f"  evaluate python -m recipes charlm evaluate {sharded_run}" in printed
