@@ -1,14 +1,14 @@
 """Byte-level GPT language model (nanoGPT-style) on text files; default: Python's own stdlib.
 
-The text and its split by file come from ``recipes.charlm.text``, the model from
-``recipes.charlm.model``. Samples are windows of ``block_size + 1`` bytes; each training window is
-shifted by an offset drawn from (seed, epoch, index), so the order stays resumable. AdamW, or
+The text and its split by file come from ``recipes.charlm.text``, encoded once to a
+memory-mapped file by ``recipes.charlm.encoded``; the model from ``recipes.charlm.model``.
+Samples are windows of ``block_size + 1`` bytes; each training window is shifted by an offset
+drawn from (seed, epoch, index), so the order stays resumable. AdamW, or
 Muon for the attention and MLP matrices (``--optimizer``); weight decay as nanoGPT's: on every
 weight matrix and embedding (the tied output layer included), not on biases and norms. At the
 end a sample of generated text is printed.
 """
 
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -21,8 +21,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from recipes.charlm.commands import COMMANDS
 from recipes.charlm.config import Config
+from recipes.charlm.encoded import encoded_path, load_encoded
 from recipes.charlm.model import GPT
-from recipes.charlm.text import read_text
+from recipes.charlm.text import cap, split_text
 from recipes.common.data_order import IndexBatches, OrderedBatches
 from recipes.common.optimizers import build_optimizer
 from recipes.runner.api import Context, Parts, Recipe
@@ -43,18 +44,21 @@ class Corpus:
 def load_data(config: Config) -> Corpus:
     if config.n_embd % config.n_head:
         raise ConfigError(f"--n-embd {config.n_embd} must be divisible by --n-head {config.n_head}")
-    train, val, n_files = read_text(config.text, config.val_fraction)
-    train, val = train[:config.max_train_bytes], val[:config.max_val_bytes]
+    parts = split_text(config.text, config.val_fraction)
+    train, val = cap(parts.train, config.max_train_bytes), cap(parts.val, config.max_val_bytes)
+    n_train, n_val = (sum(segment.length for segment in part) for part in (train, val))
     span = config.block_size  # a training window's slot leaves room for its shift
-    windows = (len(train) - 1) // span - 1, (len(val) - 1) // span
+    windows = (n_train - 1) // span - 1, (n_val - 1) // span
     if windows[0] < config.batch_size or windows[1] < 1:
-        raise DataError(f"--text {config.text}: too little text ({len(train)} training, "
-                        f"{len(val)} validation bytes) for {config.batch_size} windows of "
+        raise DataError(f"--text {config.text}: too little text ({n_train} training, "
+                        f"{n_val} validation bytes) for {config.batch_size} windows of "
                         f"{span + 1} bytes (--batch-size, --block-size)")
-    facts = {"version": 1, "kind": "text", "files": n_files, "train_bytes": len(train),
-             "val_bytes": len(val), "sha256": hashlib.sha256(train + val).hexdigest()}
-    train, val = (torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in (train, val))
-    return Corpus(train, val, windows, facts)
+    path = encoded_path(config.text, config.val_fraction, config.max_train_bytes,
+                        config.max_val_bytes)
+    encoded = load_encoded(path, train, val)  # memory-mapped: read as the windows need it
+    facts = {"version": 1, "kind": "text", "files": parts.files, "train_bytes": n_train,
+             "val_bytes": n_val, "sha256": encoded.sha256}
+    return Corpus(encoded.train, encoded.val, windows, facts)
 
 
 def next_byte_logits(model: GPT, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

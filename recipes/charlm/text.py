@@ -8,6 +8,7 @@ Python has them), without its test suites and installed packages.
 import hashlib
 import os
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.charlm.config import STDLIB
@@ -49,19 +50,50 @@ def split_files(root: Path, files: list[Path], val_fraction: float
     return by_hash[n_val:], by_hash[:n_val]
 
 
-def read_text(text: str, val_fraction: float) -> tuple[bytes, bytes, int]:
-    """(training bytes, validation bytes, file count) of ``text``, each part's files
-    concatenated in the order of ``split_files``. A single file keeps its last ``val_fraction`` for
-    validation, as nanoGPT splits one text. ``DataError`` names a missing or unreadable
-    path."""
+@dataclass(frozen=True)
+class Segment:
+    """``length`` bytes of ``path`` from byte ``start``."""
+
+    path: Path
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class TextParts:
+    """Where the training and validation bytes of a text lie, in the order they are read,
+    and how many files the text has. Found with one ``stat`` per file, without reading."""
+
+    train: list[Segment]
+    val: list[Segment]
+    files: int
+
+
+def split_text(text: str, val_fraction: float) -> TextParts:
+    """The parts of ``text``: each part's files whole, in the order of ``split_files``. A
+    single file keeps its last ``val_fraction`` for validation, as nanoGPT splits one text.
+    ``DataError`` names a missing or unreadable path."""
     root, files = list_files(text)
     try:
-        if len(files) > 1:
-            train, val = (b"".join(path.read_bytes() for path in part)
-                          for part in split_files(root, files, val_fraction))
-            return train, val, len(files)
-        whole = files[0].read_bytes()
+        sizes = [path.stat().st_size for path in files]
     except OSError as error:
         raise DataError(f"--text: cannot read {error.filename}: {error.strerror}") from None
-    cut = len(whole) - max(1, int(len(whole) * val_fraction))
-    return whole[:cut], whole[cut:], 1
+    if len(files) > 1:
+        size_of = dict(zip(files, sizes, strict=True))
+        train, val = ([Segment(path, 0, size_of[path]) for path in part]
+                      for part in split_files(root, files, val_fraction))
+        return TextParts(train, val, len(files))
+    size = sizes[0]
+    cut = max(0, size - max(1, int(size * val_fraction)))  # an empty file: both empty
+    return TextParts([Segment(files[0], 0, cut)], [Segment(files[0], cut, size - cut)], 1)
+
+
+def cap(segments: list[Segment], limit: int) -> list[Segment]:
+    """The first ``limit`` bytes of ``segments`` (all of them when they hold fewer)."""
+    capped = []
+    for segment in segments:
+        if limit <= 0:
+            break
+        capped.append(Segment(segment.path, segment.start, min(segment.length, limit)))
+        limit -= capped[-1].length
+    return capped

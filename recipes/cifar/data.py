@@ -29,13 +29,12 @@ from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from handlers.arguments import check_int, check_number
 from handlers.atomic_write import write_atomically
 from recipes.common.image_files import class_names, list_class_folder, read_image
-from recipes.common.paths import data_dir_candidates, places_looked_in
+from recipes.common.paths import cache_root, data_dir_candidates, places_looked_in
 from recipes.runner.errors import DataError
 
 IMAGE_SHAPE = (3, 32, 32)
 PYTHON_BATCHES_FOLDER = "cifar-10-batches-py"  # torchvision's layout under data_dir
 DECODE_CHUNK = 1024  # JPEGs decoded per batched decode_jpeg call (batched is ~3x faster)
-CACHE_ENV = "IGNITE_ENGINE_CACHE"  # overrides the cache folder, e.g. for tests
 CACHE_FORMAT = 1  # bump when decoding or the cached layout changes: older caches then miss
 
 logger = logging.getLogger(__name__)
@@ -138,11 +137,8 @@ def decoded_cache_path(data_dir: Path) -> Path:
     ``$IGNITE_ENGINE_CACHE`` if set, else ``$XDG_CACHE_HOME`` (or ``~/.cache``)
     ``/ignite-engine``, then ``cifar10/<hash of data_dir's absolute path>.pt``.
     Not inside ``data_dir``, which may be a read-only shared folder."""
-    root = os.environ.get(CACHE_ENV)
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ignite-engine"
     source = hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:16]
-    return Path(root).expanduser() / "cifar10" / f"{source}.pt"
+    return cache_root() / "cifar10" / f"{source}.pt"
 
 
 def _listing_digest(paths: list[str]) -> str:

@@ -1,12 +1,14 @@
 """Where a recipe looks for its data when ``--data-dir`` is ``auto``: first a ``shared/data``
 folder next to the repository (a data set kept once for every checkout on the machine),
-then ``data/`` in the working directory."""
+then ``data/`` in the working directory; and where data prepared from it are cached."""
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
 SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"  # <repository>/../shared
 LOCAL_DATA = Path("data")
+CACHE_ENV = "IGNITE_ENGINE_CACHE"  # overrides the cache folder, e.g. for tests
 
 
 def data_dir_candidates(name: str) -> tuple[Path, Path]:
@@ -26,3 +28,13 @@ def places_looked_in(places: Iterable[Path]) -> str:
     unique = list(dict.fromkeys(places))
     named = [f"{place}{'' if place.exists() else ' (no such folder)'}" for place in unique]
     return " and ".join(named) if len(named) <= 2 else ", ".join(named[:-1]) + ", and " + named[-1]
+
+
+def cache_root() -> Path:
+    """Where recipes cache what they prepare from their data (decoded images, encoded text):
+    ``$IGNITE_ENGINE_CACHE`` if set, else ``$XDG_CACHE_HOME`` (or ``~/.cache``)
+    ``/ignite-engine``. Not beside the data, which may be a read-only shared folder."""
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ignite-engine"
+    return Path(root).expanduser()

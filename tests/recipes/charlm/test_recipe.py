@@ -19,7 +19,7 @@ from engine import Muon, create_evaluator
 from recipes.__main__ import main
 from recipes.charlm.model import GPT
 from recipes.charlm.recipe import Config, build, load_data, next_byte_logits
-from recipes.charlm.text import read_text, split_files
+from recipes.charlm.text import Segment, TextParts, split_files, split_text
 from recipes.runner.api import Context
 
 CLI_TIMEOUT_SEC = 300  # a hung run fails its test instead of hanging the suite
@@ -65,8 +65,8 @@ def test_split_of_two_files_keeps_one_for_each_part():
 def test_a_single_file_keeps_its_last_tenth_for_validation(tmp_path):
     text = tmp_path / "input.txt"
     text.write_bytes(bytes(range(256)) * 4)
-    train, val, n_files = read_text(str(text), 0.1)
-    assert (train + val, len(val), n_files) == (text.read_bytes(), 102, 1)
+    assert split_text(str(text), 0.1) == TextParts([Segment(text, 0, 922)],
+                                                   [Segment(text, 922, 102)], 1)
 
 
 def test_load_data_counts_windows_and_fingerprints_the_bytes(tmp_path):

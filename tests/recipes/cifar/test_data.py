@@ -16,6 +16,7 @@ from recipes.cifar.data import (
     subset,
 )
 from recipes.common import paths
+from recipes.common.paths import CACHE_ENV
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 REAL_CIFAR = Path("/work/shared/data/cifar10")
@@ -25,7 +26,7 @@ REAL_CIFAR = Path("/work/shared/data/cifar10")
 def cache_dir(tmp_path_factory, monkeypatch) -> Path:
     """Every test caches decoded images in its own folder, never in the user's cache."""
     folder = tmp_path_factory.mktemp("cache")
-    monkeypatch.setenv(cifar_data.CACHE_ENV, str(folder))
+    monkeypatch.setenv(CACHE_ENV, str(folder))
     return folder
 
 
@@ -265,7 +266,7 @@ def test_the_cache_works_for_a_data_dir_given_as_dot(tmp_path, count_decodes, mo
 
 def test_default_cache_folder_is_the_users_cache_dir_not_the_data_folder(tmp_path,
                                                                           monkeypatch):
-    monkeypatch.delenv(cifar_data.CACHE_ENV)
+    monkeypatch.delenv(CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path = cifar_data.decoded_cache_path(tmp_path / "data")
     assert path.parent == tmp_path / "xdg" / "ignite-engine" / "cifar10"
@@ -314,7 +315,7 @@ def test_an_unwritable_cache_folder_only_warns(tmp_path, count_decodes, caplog, 
     write_tree(data)
     blocker = tmp_path / "a-file"  # a folder cannot be made under a file, even as root
     blocker.write_text("")
-    monkeypatch.setenv(cifar_data.CACHE_ENV, str(blocker / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(blocker / "cache"))
     with caplog.at_level(logging.WARNING, logger=cifar_data.__name__):
         arrays = load_cifar10(data, download=False)
         load_cifar10(data, download=False)

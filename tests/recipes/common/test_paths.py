@@ -1,4 +1,4 @@
-"""recipes.common.paths: where --data-dir auto looks."""
+"""recipes.common.paths: where --data-dir auto looks, and the cache folder."""
 
 from pathlib import Path
 
@@ -24,3 +24,13 @@ def test_without_a_shared_copy_it_is_data_name_in_the_working_directory(tmp_path
     assert default_data_dir("cifar10") == Path("data/cifar10")
     assert data_dir_candidates("cifar10") == (tmp_path / "absent" / "cifar10",
                                               Path("data/cifar10"))
+
+
+def test_the_cache_is_the_variables_folder_else_the_users_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("IGNITE_ENGINE_CACHE", str(tmp_path / "mine"))
+    assert paths.cache_root() == tmp_path / "mine"
+    monkeypatch.delenv("IGNITE_ENGINE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert paths.cache_root() == tmp_path / "xdg" / "ignite-engine"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert paths.cache_root() == Path.home() / ".cache" / "ignite-engine"
