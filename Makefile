@@ -7,7 +7,7 @@ RECIPE ?= cifar
 ARGS ?=
 REV ?= HEAD
 
-.PHONY: train test test-slow test-reliability bench bench-gpu bench-instructions bench-versus bench-extra lint lr-plot tensorboard clean
+.PHONY: train test test-slow test-reliability bench bench-gpu bench-tracker bench-instructions bench-versus bench-extra lint lr-plot tensorboard clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,10 +32,11 @@ test-slow: $(STAMP)
 test-reliability: $(STAMP)
 	$(PY) -m pytest -q -m "reliability or not reliability" tests/reliability
 
-# Installs the bench extra (PyTorch Lightning and airbench, compared arms) when either is missing.
+# Installs the bench extra (PyTorch Lightning and airbench, compared arms) and the mlflow extra
+# (the tracker's cost) when one is missing.
 bench-extra: $(STAMP)
-	@$(PY) -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('pytorch_lightning', 'airbench')))" \
-		|| $(PY) -m pip install -q -e '.[dev,bench]'
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('pytorch_lightning', 'airbench', 'mlflow')))" \
+		|| $(PY) -m pip install -q -e '.[dev,bench,mlflow]'
 
 # Writes docs/benchmarks.md; about 10-15 minutes on a quiet 2-core CPU, so not part of `make test`.
 # On a CUDA machine it includes the GPU section: the CIFAR recipe against airbench94.
@@ -45,6 +46,13 @@ bench: bench-extra
 # The GPU section alone (CUDA only), into runs/benchmarks-gpu.md.
 bench-gpu: bench-extra
 	$(PY) -m benchmarks --only gpu
+
+# The MLflow tracker's per-iteration cost alone (section 1, tiny model; no Lightning needed),
+# into runs/benchmarks-tracker.md.
+bench-tracker: $(STAMP)
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('mlflow') is None)" \
+		|| $(PY) -m pip install -q -e '.[dev,mlflow]'
+	$(PY) -m benchmarks --only tracker
 
 # Instructions per iteration of the tiny-model arms under valgrind's callgrind (needs valgrind
 # and cc): the overhead figures that load on a shared machine does not move; about 8 minutes.

@@ -1,9 +1,10 @@
 """Run every benchmark and write the report:
-``python -m benchmarks [--quick] [--only gpu] [--out PATH]``.
+``python -m benchmarks [--quick] [--only gpu|tracker] [--out PATH]``.
 
 Exit status 0; 1 when an arm's loss parity failed (the report is still written, with the
-failures); 2 when PyTorch Lightning is missing (``pip install -e '.[bench]'``), or with
-``--only gpu`` when the GPU section cannot run here (no CUDA, no airbench, no data).
+failures); 2 when PyTorch Lightning is missing (``pip install -e '.[bench]'``), with
+``--only gpu`` when the GPU section cannot run here (no CUDA, no airbench, no data), or with
+``--only tracker`` when MLflow is missing (``pip install -e '.[mlflow]'``).
 """
 
 import argparse
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.arms.loops import ARMS
+from benchmarks.arms.loops import ARMS, WITH_MLFLOW
 from benchmarks.arms.workloads import cifar_workload, tiny_workload
 from benchmarks.harness.machine import describe_machine, load_average
 from benchmarks.harness.plan import FULL, QUICK, Plan
@@ -36,6 +37,7 @@ from recipes.cifar.recipe import Config
 DOC_OUT = Path("docs/benchmarks.md")
 SMOKE_OUT = Path("runs/benchmarks-smoke.md")  # runs/ is git-ignored: smoke numbers stay out
 GPU_OUT = Path("runs/benchmarks-gpu.md")  # one section: it must not replace the full report
+TRACKER_OUT = Path("runs/benchmarks-tracker.md")  # likewise
 SYNC_STEP_ITERATIONS = 8  # two windows of 4 micro-batches
 # The tiny model's engine overhead is host-side Python; a second intra-op thread only
 # spin-waits there and, on a shared machine, multiplies the spread of every arm.
@@ -47,10 +49,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny sizes, seconds; proves the code runs")
-    parser.add_argument("--only", choices=("gpu",), default=None,
+    parser.add_argument("--only", choices=("gpu", "tracker"), default=None,
                         help="run only this section (gpu: our CIFAR recipe against "
-                             "airbench94 on a CUDA device; needs neither Lightning nor the "
-                             "other sections' 10-15 minutes)")
+                             "airbench94 on a CUDA device; tracker: section 1's cost of the "
+                             "MLflow tracker on the tiny model; neither needs Lightning nor "
+                             "the other sections' 10-15 minutes)")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"report path (default {DOC_OUT}; {SMOKE_OUT} with --quick; "
                              f"{GPU_OUT} with --only gpu)")
@@ -69,6 +72,9 @@ def missing_requirement(only: str | None) -> str | None:
     if only == "gpu":
         reason = s5_gpu.skip_reason()
         return None if reason is None else f"the GPU section cannot run here: {reason}"
+    if only == "tracker":
+        return (None if WITH_MLFLOW in ARMS else
+                "MLflow is not installed; `pip install -e '.[mlflow]'`")
     if importlib.util.find_spec("pytorch_lightning") is None:
         return ("PyTorch Lightning is not installed; run `make bench` or "
                 "`pip install -e '.[dev,bench]'`")
@@ -76,8 +82,8 @@ def missing_requirement(only: str | None) -> str | None:
 
 
 def default_out(args: argparse.Namespace) -> Path:
-    if args.only == "gpu":
-        return GPU_OUT
+    if args.only is not None:
+        return {"gpu": GPU_OUT, "tracker": TRACKER_OUT}[args.only]
     return SMOKE_OUT if args.quick else DOC_OUT
 
 
@@ -87,6 +93,15 @@ def gpu_section(plan: Plan, log: Log) -> str:
     if reason is not None:
         return s5_gpu.render([], [], reason)
     return s5_gpu.render(*s5_gpu.measure(plan, log), None)
+
+
+def tracker_section(plan: Plan, log: Log) -> str:
+    log("1/6 engine overhead: the MLflow tracker, tiny model")
+    tiny = s1_overhead.measure(
+        dataclasses.replace(tiny_workload(plan.tiny_warmup, plan.tiny_timed),
+                            block=plan.tiny_block),
+        plan.tiny_repeats, TINY_THREADS, log=log, arms=s1_overhead.TRACKER_ARMS)
+    return s1_overhead.render_tracker(tiny)
 
 
 def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[str], list[str]]:
@@ -101,7 +116,8 @@ def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[
         dataclasses.replace(cifar_workload(plan.cifar_warmup, plan.cifar_timed,
                                            plan.cifar_batch), block=plan.cifar_block),
         plan.cifar_repeats, threads, log=log,
-        arms=[arm for arm in ARMS if arm != s1_overhead.LOOP_ONLY])
+        # The tracker's cost is host-side, measured on the tiny model.
+        arms=[arm for arm in ARMS if arm not in (s1_overhead.LOOP_ONLY, WITH_MLFLOW)])
 
     log("2/6 host syncs")
     config = Config()
@@ -168,6 +184,8 @@ def main(argv: list[str]) -> int:
     log(f"plan {plan.name}, {threads} threads, report -> {out}")
     if args.only == "gpu":
         sections, failures = [gpu_section(plan, log)], []
+    elif args.only == "tracker":
+        sections, failures = [tracker_section(plan, log)], []
     else:
         sections, failures = all_sections(plan, threads, args.quick, log)
     wall = time.perf_counter() - started

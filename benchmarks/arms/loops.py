@@ -14,6 +14,8 @@ the probe loss of the trained model.
 - ``trainer``: our ``create_trainer`` with no handlers;
 - ``trainer-loop``: our ``Trainer``'s loop running the tuned loop's step (tiny model only);
 - ``trainer+recipe``: ours with the CIFAR recipe's handler set (``RecipeHandlers``);
+- ``trainer+recipe+mlflow``: the same with ``--tracker mlflow``'s scalar sink, logging to a
+  local MLflow file store (only when MLflow is installed: the ``mlflow`` extra);
 - ``ignite``: Ignite's ``create_supervised_trainer``, stock (no unscale, no clip: it
   cannot; it reads ``loss.item()`` every iteration for its output);
 - ``lightning``: a ``LightningModule`` with automatic optimization and
@@ -23,6 +25,7 @@ the probe loss of the trained model.
 
 import contextlib
 import functools
+import importlib.util
 import logging
 import math
 import os
@@ -140,13 +143,13 @@ def our_trainer_loop(workload: Workload) -> ArmResult:
     return _run_engine(trainer, workload, model)
 
 
-def our_trainer_with_recipe_handlers(workload: Workload) -> ArmResult:
+def our_trainer_with_recipe_handlers(workload: Workload, tracker: str = "none") -> ArmResult:
     model, optimizer = workload.fresh()
     trainer = create_trainer(model, optimizer, workload.loss_fn,
                              max_grad_norm=workload.max_grad_norm)
     with tempfile.TemporaryDirectory(prefix="bench-run-") as run_dir:
         handlers = RecipeHandlers(trainer, Path(run_dir), workload.batch_size,
-                                  steps_per_epoch=len(workload.batches))
+                                  steps_per_epoch=len(workload.batches), tracker=tracker)
         try:
             return _run_engine(trainer, workload, model)
         finally:
@@ -209,12 +212,15 @@ def lightning(workload: Workload) -> ArmResult:
     return ArmResult.of(timer, workload, model)
 
 
+WITH_MLFLOW = "trainer+recipe+mlflow"  # an arm only where MLflow is installed
 ARMS: dict[str, Callable[[Workload], ArmResult]] = {
     "hand": hand_loop,
     "hand-tuned": tuned_hand_loop,
     "trainer": our_trainer,
     "trainer-loop": our_trainer_loop,
     "trainer+recipe": our_trainer_with_recipe_handlers,
+    **({WITH_MLFLOW: functools.partial(our_trainer_with_recipe_handlers, tracker="mlflow")}
+       if importlib.util.find_spec("mlflow") is not None else {}),
     "ignite": ignite_supervised,
     "lightning": lightning,
 }

@@ -12,7 +12,9 @@ each so that every arm trains the same weights or pays only engine costs:
 - progress is the real ``Progress`` in plain mode, printing to /dev/null;
 - CIFAR's ``Lookahead`` (a recipe extra) is left out: it changes the weights, so the arms
   would no longer train the same; its cost is one in-place average of the weights every
-  20 optimizer steps at the recipe's batch size.
+  20 optimizer steps at the recipe's batch size;
+- with ``tracker="mlflow"`` the MLflow run (in ``mlruns/`` of the run folder) is opened
+  before the run and finished by ``close()``, as the run layer does around training.
 """
 
 import dataclasses
@@ -26,6 +28,7 @@ from engine import Trainer, create_evaluator, new_run_id
 from recipes.cifar.recipe import Config
 from recipes.runner.api import RunPlan
 from recipes.runner.standard_handlers import Evaluation, RunSite, attach_standard_handlers
+from recipes.runner.tracking import open_tracker, tracker_sinks
 
 
 class RecipeHandlers:
@@ -33,16 +36,20 @@ class RecipeHandlers:
     the signal handlers and closes /dev/null."""
 
     def __init__(self, trainer: Trainer, run_dir: Path, batch_size: int,
-                 steps_per_epoch: int, config: Config | None = None) -> None:
+                 steps_per_epoch: int, config: Config | None = None,
+                 tracker: str = "none") -> None:
         config = dataclasses.replace(
             config or Config(), epochs=1, batch_size=batch_size, scheduler="warmup_cosine",
             warmup_epochs=0.5, warmup_start_factor=1.0, min_lr_ratio=1.0, patience=3,
-            checkpoint_every=10**9, progress="plain")
+            checkpoint_every=10**9, progress="plain", tracker=tracker,
+            tracker_uri=str(run_dir / "mlruns"))
+        self.tracker = open_tracker("cifar", config, run_dir, new_run_id())
         self._devnull = open(os.devnull, "w")  # noqa: SIM115 - closed by close()
         evaluator = create_evaluator(trainer.model, {"accuracy": Accuracy()},
                                      device=trainer.precision.device)
         site = RunSite(run_dir, new_run_id(), {"accuracy": "max"}, "accuracy",
-                       RunPlan(steps_per_epoch, 1), progress_stream=self._devnull)
+                       RunPlan(steps_per_epoch, 1), progress_stream=self._devnull,
+                       sinks=tracker_sinks(self.tracker))
         evaluation = Evaluation([], config.eval_every, config.epochs)
         self.handlers = attach_standard_handlers(trainer, evaluator, config, site, evaluation)
         trainer.remove_event_handler(evaluation.run_if_due, Events.EPOCH_COMPLETED)
@@ -51,3 +58,5 @@ class RecipeHandlers:
     def close(self) -> None:
         self.handlers.stop.restore()
         self._devnull.close()
+        if self.tracker is not None:
+            self.tracker.finish("completed", {})

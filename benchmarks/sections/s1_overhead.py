@@ -4,7 +4,7 @@ Ignite's stock trainer and PyTorch Lightning, with a loss-parity check."""
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from benchmarks.arms.loops import ARMS, ArmResult, run_arms_lockstep
+from benchmarks.arms.loops import ARMS, WITH_MLFLOW, ArmResult, run_arms_lockstep
 from benchmarks.arms.workloads import NEVER_REACHED_GRAD_NORM, Workload
 from benchmarks.harness.report import table
 from benchmarks.harness.timing import MedianInterval, Stats
@@ -22,6 +22,8 @@ LOSS_TOLERANCE = 1.5e-5
 # Targets, against the tuned hand loop: per-iteration overhead on the tiny model, and the
 # full handler set's throughput on the CIFAR model.
 MAX_OVERHEAD_SECONDS = {"trainer": 10e-6, FULL_HANDLERS: 40e-6}
+# `python -m benchmarks --only tracker`: the tracker's arm, the one it adds to, the floor.
+TRACKER_ARMS = (TUNED, FULL_HANDLERS, WITH_MLFLOW)
 MIN_CIFAR_RATIO = 0.99
 
 ARM_NOTES = {
@@ -36,6 +38,9 @@ ARM_NOTES = {
                     "alone costs, the floor under `trainer` (tiny model only)",
     "trainer+recipe": "`create_trainer` + the CIFAR recipe's handler set "
                       "(`benchmarks/arms/recipe_handlers.py`)",
+    WITH_MLFLOW: "`trainer+recipe` with `--tracker mlflow`: every scalar also kept for MLflow "
+                 "and sent in one `log_batch` to a local file store at each flush (in this "
+                 "run, with no checkpoint or evaluation inside it, at the epoch's end)",
     "ignite": "Ignite `create_supervised_trainer`, stock: no unscale/clip/norm (it has no "
               "hook for them), `loss.item()` every iteration",
     "lightning": "`LightningModule`, automatic optimization, `gradient_clip_val`; no logger, "
@@ -228,6 +233,35 @@ faster than that loop.
 
 {cifar_table(cifar)}
 
+{tracker_cost(tiny)}
+
 ### Targets
 
 """ + "\n".join(targets(tiny, cifar))
+
+
+def tracker_cost(tiny: OverheadResult) -> str:
+    """The MLflow tracker's cost on the tiny model: its arm against ``trainer+recipe``, block
+    by block; or why it was not measured."""
+    heading = "### The MLflow tracker (`--tracker mlflow`), tiny model"
+    if WITH_MLFLOW not in tiny.runs:
+        return (f"{heading}\n\nUnmeasured: MLflow is not installed (`pip install -e "
+                f"'.[mlflow]'`).")
+    rows = [[f"`{arm}`", Stats.of(tiny.per_iteration(arm)).format(3, 1e6),
+             paired_interval(tiny, arm, FULL_HANDLERS, lambda a, h: a - h, 3, 1e6),
+             Stats.of([run.end_seconds for run in tiny.runs[arm]]).format(3, 1e3)]
+            for arm in (FULL_HANDLERS, WITH_MLFLOW)]
+    return f"""{heading}
+
+The recipe's handler set with and without the tracker's scalar sink, side by side in the same
+rounds ({len(tiny.runs[WITH_MLFLOW])} repeats of {tiny.timed} iterations in blocks of
+{tiny.block or tiny.timed}). Per iteration the sink only keeps each telemetry report as it
+comes (every `log_every` steps); the `log_batch` to the store happens at each flush (every
+checkpoint, evaluation and epoch end), here in the run end.
+
+{table(["arm", "µs / iteration", "over trainer+recipe, µs / iteration", "run end, ms"], rows)}"""
+
+
+def render_tracker(tiny: OverheadResult) -> str:
+    """``--only tracker``: the tracker's cost alone."""
+    return f"## 1. Engine overhead: the MLflow tracker\n\n{tracker_cost(tiny)}"

@@ -15,7 +15,7 @@ import math
 import random
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +76,8 @@ from recipes.runner.standard_handlers import (
     attach_standard_handlers,
     attach_weight_averaging,
 )
+from recipes.runner.trackers import check_tracker
+from recipes.runner.tracking import close_tracker, open_tracker, tracker_sinks
 from recipes.runner.wiring import wiring_table
 
 LR_FIND_STEPS = 200  # optimizer steps of the LR range test
@@ -152,6 +154,7 @@ def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | No
     its config.json: a user error (exit 2) leaves nothing on disk."""
     run_dir, saved = _check_run(recipe, config, given)
     overrides = resume_overrides(saved["config"], config, given) if saved else []
+    check_tracker(config, run_dir)
     run_id = saved["run_id"] if saved else new_run_id()
     check_resume_file(config.resume, run_id)
     launch = _launch(config)
@@ -283,10 +286,12 @@ def build_parts(recipe: Recipe, config: RunConfig, data: Any, run_dir: Path
     return ctx, parts, trainer
 
 
-def build_run(recipe: Recipe, config: RunConfig, started: Started
+def build_run(recipe: Recipe, config: RunConfig, started: Started,
+              sinks: Mapping[str, Any] | None = None
               ) -> tuple[Trainer, Engine, Parts, StandardHandlers]:
-    """Build the parts and the engines and attach every handler. Returns (trainer,
-    evaluator, parts, standard handlers)."""
+    """Build the parts and the engines and attach every handler; ``sinks`` get every scalar
+    besides TensorBoard and metrics.jsonl. Returns (trainer, evaluator, parts, standard
+    handlers)."""
     ctx, parts, trainer = build_parts(recipe, config, started.data, started.run_dir)
     train_model = parts.train_model or parts.model
     evaluator = create_evaluator(train_model, parts.metrics, device=ctx.device,
@@ -307,7 +312,7 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started
     site = RunSite(started.run_dir, started.run_id, recipe.metrics, recipe.best, plan,
                    rank=ctx.rank, model=parts.model,
                    checkpoint_meta={"data": started.fingerprint}, num_classes=parts.num_classes,
-                   cost=cost_meter(config, ctx, parts))
+                   cost=cost_meter(config, ctx, parts), sinks=sinks or {})
     evaluation = Evaluation(parts.val_batches, config.eval_every, config.epochs,
                             before=parts.before_evaluation, forwards=parts.evaluation_forwards)
     handlers = attach_standard_handlers(trainer, evaluator, config, site, evaluation, extra)
@@ -318,7 +323,9 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started
 
 def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     rank, world = idist.get_rank(), idist.get_world_size()
-    trainer, _, parts, handlers = build_run(recipe, config, started)
+    tracker = (open_tracker(recipe.name, config, started.run_dir, started.run_id)
+               if rank == 0 else None)
+    trainer, _, parts, handlers = build_run(recipe, config, started, tracker_sinks(tracker))
     if rank == 0:
         print_header(recipe, config, started.run_dir, started.data, parts.model)
     info = handlers.checkpointer.resume(config.resume) if rank == 0 else None
@@ -367,6 +374,7 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
         environment = environment_record(process_device(config.device), world)
         exit_code = _write_summary(recipe, trainer, handlers, started, status,
                                    environment) or exit_code
+        close_tracker(tracker, status, started.run_dir)
     return exit_code
 
 

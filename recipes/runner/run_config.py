@@ -8,8 +8,8 @@ The keys come in groups, declared (and listed by ``--help``) in this order: ``ru
 to train, how long, where), ``schedule`` (the LR over the run), ``precision``,
 ``checkpoints`` (saving and resuming), ``health`` (checks that a run is learning and the
 switch of the loss-spike guard), ``spike`` (the guard's settings: ``--spike-<name>`` is
-``SpikeGuard``'s argument ``<name>``, so ``group_values(config, "spike")`` builds it) and
-``distributed``.
+``SpikeGuard``'s argument ``<name>``, so ``group_values(config, "spike")`` builds it),
+``distributed`` and ``tracking`` (an experiment tracker besides TensorBoard).
 
 ``fixed_on_resume`` marks keys that shape the saved tensors or whose value the checkpoint
 carries (optimizer hyperparameters, the schedule's kind and shape, telemetry cadence,
@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 
 from recipes.runner.config import field
+from recipes.runner.trackers import TRACKER_NAMES
 
 # This module imports no torch: ``python -m recipes`` parses and checks the command line
 # before torch loads (seconds), so a mistyped key is answered at once. The choices that the
@@ -45,6 +46,7 @@ checkpoints_key = partial(field, group="checkpoints")
 health_key = partial(field, group="health")
 spike_key = partial(field, group="spike", fixed_on_resume=True)  # the guard is checkpointed
 distributed_key = partial(field, group="distributed")
+tracking_key = partial(field, group="tracking")
 
 
 def check_run_name(name: str) -> str | None:
@@ -187,6 +189,13 @@ class RunConfig:
                                  "1 under torchrun, which starts them itself", min=1)
     backend: str = distributed_key("auto", "process group of several processes: auto (nccl "
                                    "for CUDA, else gloo)", choices=BACKENDS)
+
+    tracker: str = tracking_key("none", "also log the config, every scalar, the best checkpoint "
+                                "and curves.png to an experiment tracker (mlflow: pip install "
+                                "-e '.[mlflow]')", choices=TRACKER_NAMES)
+    tracker_uri: str = tracking_key("", "where the tracker logs (mlflow: a tracking URI or a "
+                                    "folder; default: mlruns/ in the working directory, or "
+                                    "the store this run logged to before)")
 
     def warmup(self) -> float:
         """Warmup in epochs: ``warmup_epochs`` when given, else the fraction of ``epochs``

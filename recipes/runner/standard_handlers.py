@@ -62,6 +62,8 @@ class RunSite:
     num_classes: int | None = None  # for the start-up checks
     progress_stream: TextIO | None = None
     cost: CostMeter | None = None  # throughput, MFU and peak memory per epoch
+    # Scalar sinks besides TensorBoard's and metrics.jsonl (an experiment tracker's), by name.
+    sinks: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Evaluation:
@@ -190,7 +192,7 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
     logger = progress = None
     if site.rank == 0:  # only rank 0 writes; every rank loads the same checkpoint
         sinks = {"tensorboard": TensorBoardSink(site.run_dir),
-                 "metrics": JsonLinesSink(site.run_dir / METRICS_FILE)}
+                 "metrics": JsonLinesSink(site.run_dir / METRICS_FILE), **site.sinks}
         logger = RunLogger(sinks, hparams=dataclasses.asdict(config),
                            batch_size=config.batch_size, modes=site.modes, telemetry=telemetry,
                            cost=site.cost)

@@ -72,6 +72,11 @@ BAD_INPUTS = {
                            "negative-lr.toml:1: --lr: must be > 0"),
     "config_changes_a_fixed_key": ((*EXISTING, "--config", "seed.toml"),
                                    "--seed: cannot change on resume"),
+    "profile_window_reversed": ((*EXISTING, "--profile", "10:5"), "--profile"),
+    "profile_window_past_the_run": ((*EXISTING, "--profile", "0:100000"), "--profile"),
+    # With MLflow: the store is a file; without: MLflow is missing. Both name --tracker.
+    "tracker_uri_a_file": ((*EXISTING, "--tracker", "mlflow", "--tracker-uri",
+                            "runs/existing/config.json"), "--tracker"),
 }
 CIFAR_DATA_INPUTS = {
     "data_dir_missing": (("--run-dir", "runs/existing-jpeg", "--data-dir", "no-such-dir"),

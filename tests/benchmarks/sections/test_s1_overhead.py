@@ -79,3 +79,14 @@ def test_measure_runs_the_arms_side_by_side_in_blocks():
     assert all(len(run.blocks) == 4 for runs in measured.runs.values() for run in runs)
     assert len(measured.paired("trainer", lambda a, h: a - h)) == 8
     assert s1_overhead.parity_failures(measured) == []
+
+
+def test_the_tracker_cost_is_paired_with_the_handler_set_or_said_to_be_unmeasured():
+    with_tracker = result({arm: [1.0, 1.0] for arm in s1_overhead.TRACKER_ARMS},
+                          {"hand-tuned": [1.0, 1.0], "trainer+recipe": [1.0, 2.0],
+                           "trainer+recipe+mlflow": [1.0002, 2.0002]})
+    text = s1_overhead.tracker_cost(with_tracker)
+    # 0.0002 s over 100 iterations: 2 µs per iteration in each of the two pairs.
+    assert "| `trainer+recipe+mlflow` | 15002 [10002, 20002] | 2.00 (2.00 to 2.00) |" in text
+    without = result({"hand-tuned": [1.0], "trainer+recipe": [1.0]})
+    assert "Unmeasured: MLflow is not installed" in s1_overhead.tracker_cost(without)

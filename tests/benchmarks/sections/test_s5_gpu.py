@@ -116,3 +116,12 @@ def test_only_gpu_writes_beside_the_full_report_not_over_it():
     assert bench.default_out(bench.parse_args(["--only", "gpu", "--quick"])) == bench.GPU_OUT
     assert bench.default_out(bench.parse_args([])) == bench.DOC_OUT
     assert bench.default_out(bench.parse_args(["--quick"])) == bench.SMOKE_OUT
+
+
+def test_only_tracker_refuses_to_start_without_mlflow(monkeypatch, tmp_path, capsys):
+    monkeypatch.delitem(bench.ARMS, bench.WITH_MLFLOW, raising=False)
+    out = tmp_path / "tracker.md"
+    assert bench.main(["--only", "tracker", "--out", str(out)]) == 2
+    assert "MLflow is not installed" in capsys.readouterr().err
+    assert not out.exists()
+    assert bench.default_out(bench.parse_args(["--only", "tracker"])) == bench.TRACKER_OUT

@@ -173,7 +173,8 @@ class Task(RunConfig):
     depth: int = field(2, "layers", min=1)
 
 
-RUN_GROUPS = ["run", "schedule", "precision", "checkpoints", "health", "spike", "distributed"]
+RUN_GROUPS = ["run", "schedule", "precision", "checkpoints", "health", "spike", "distributed",
+              "tracking"]
 
 
 def _help_blocks(text: str) -> dict[str, list[str]]:

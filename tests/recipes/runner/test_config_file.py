@@ -217,7 +217,8 @@ def test_print_config_lists_every_key_in_the_groups_of_help_with_its_help(tmp_pa
     headings = [line for line in lines if line.startswith("# ====")]
     assert headings == ["# ==== run ====", "# ==== schedule ====", "# ==== precision ====",
                         "# ==== checkpoints ====", "# ==== health ====", "# ==== spike ====",
-                        "# ==== distributed ====", "# ==== cifar (the recipe's own keys) ===="]
+                        "# ==== distributed ====", "# ==== tracking ====",
+                        "# ==== cifar (the recipe's own keys) ===="]
     assert set(tomllib.loads(text)) == {
         name for name, value in as_dict(config).items()
         if value not in (None, "") and name not in REQUESTS}

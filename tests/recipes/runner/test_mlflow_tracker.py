@@ -1,0 +1,170 @@
+"""``--tracker mlflow`` on charlm's tiny run, read back with MLflow's own client: the params,
+tags, metric history and artifacts; a resume continues the same MLflow run; an unreachable
+server costs one warning line; a store that cannot be written exits 2 with nothing written.
+Everything but the missing-package test needs MLflow (the ``mlflow`` extra) and skips
+without it."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from recipes.__main__ import main
+from tests.recipes.runner.test_run import CHARLM, digests, one_error_line, write_text
+
+needs_mlflow = pytest.mark.skipif(
+    importlib.util.find_spec("mlflow") is None,
+    reason="MLflow is not installed (pip install -e '.[mlflow]'); CI installs only .[dev]")
+
+
+def train(tmp_path, *args: str) -> int:
+    text = tmp_path / "corpus.txt"
+    if not text.exists():
+        write_text(text, words=1200)
+    return main([*CHARLM, "--text", str(text), "--run-dir", str(tmp_path / "run"),
+                 "--tracker", "mlflow", "--eval-every", "1", "--log-every", "2", *args])
+
+
+def only_run(store):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=store.as_uri())
+    experiment = client.get_experiment_by_name("charlm")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    return client, runs[0]
+
+
+def metric_steps(client, run, key):
+    return sorted(metric.step for metric in client.get_metric_history(run.info.run_id, key))
+
+
+def scalar_steps(run_dir, tag):
+    """The steps TensorBoard holds for ``tag``."""
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return sorted(event.step for event in events.Scalars(tag))
+
+
+@needs_mlflow
+def test_the_mlflow_run_holds_the_config_tags_scalars_and_artifacts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default store: mlruns/ beside runs/
+    assert train(tmp_path, "--epochs", "1") == 0
+    client, run = only_run(tmp_path / "mlruns")
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert run.data.params == {key: str(value) for key, value in saved["config"].items()}
+    assert run.data.tags["recipe"] == "charlm"
+    assert run.data.tags["run_id"] == saved["run_id"]
+    assert run.data.tags["git_revision"].startswith(saved["environment"]["git"]["commit"])
+    assert run.info.run_name == "run" and run.info.status == "FINISHED"
+    for tag in ("train/loss", "train/lr", "val/loss"):
+        assert metric_steps(client, run, tag) == scalar_steps(tmp_path / "run", tag), tag
+    artifacts = {item.path for item in client.list_artifacts(run.info.run_id)}
+    assert {"curves.png", "checkpoints"} <= artifacts
+    assert [item.path for item in client.list_artifacts(run.info.run_id, "checkpoints")] == [
+        "checkpoints/best.pt"]
+    state = json.loads((tmp_path / "run" / "mlflow.json").read_text())
+    assert state == {"run_id": run.info.run_id, "tracking_uri": (tmp_path / "mlruns").as_uri()}
+
+
+@needs_mlflow
+def test_a_resumed_run_continues_the_same_mlflow_run(tmp_path):
+    store = tmp_path / "store"
+    assert train(tmp_path, "--epochs", "1", "--tracker-uri", str(store)) == 0
+    _, first = only_run(store)
+    # The same run folder, one epoch longer, without --tracker-uri: the run keeps its store.
+    assert main([*CHARLM, "--text", str(tmp_path / "corpus.txt"), "--run-dir",
+                 str(tmp_path / "run"), "--epochs", "2"]) == 0
+    client, run = only_run(store)
+    assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"
+    steps = metric_steps(client, run, "val/loss")
+    assert len(steps) == 2 and steps == scalar_steps(tmp_path / "run", "val/loss")
+
+
+@needs_mlflow
+def test_an_unreachable_server_costs_one_warning_line_and_the_run_goes_on(tmp_path, capsys):
+    assert train(tmp_path, "--epochs", "1", "--tracker-uri", "http://127.0.0.1:9") == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines()
+                if line.startswith("warning: MLflow")]
+    assert len(warnings) == 1 and "http://127.0.0.1:9" in warnings[0]
+    assert (tmp_path / "run" / "summary.json").exists()
+    assert not (tmp_path / "run" / "mlflow.json").exists()
+
+
+@needs_mlflow
+@pytest.mark.parametrize("where", ["file_in_the_way", "under_a_file", "file_uri_under_a_file"])
+def test_a_store_that_cannot_be_written_exits_2_and_writes_nothing(tmp_path, capsys, where):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    uri = {"file_in_the_way": str(blocker), "under_a_file": str(blocker / "mlruns"),
+           "file_uri_under_a_file": (blocker / "mlruns").as_uri()}[where]
+    write_text(tmp_path / "corpus.txt")
+    before = digests(tmp_path)
+    code = train(tmp_path, "--tracker-uri", uri)
+    one_error_line(code, capsys.readouterr().err, "--tracker-uri", "is not a folder")
+    assert digests(tmp_path) == before and not (tmp_path / "run").exists()
+
+
+def test_tracker_mlflow_without_mlflow_installed_exits_2_and_writes_nothing(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # `import mlflow` raises ImportError
+    code = train(tmp_path)
+    one_error_line(code, capsys.readouterr().err, "--tracker mlflow", "pip install -e "
+                   "'.[mlflow]'")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "mlruns").exists()
+
+
+def test_an_unknown_tracker_is_refused_with_the_known_ones(tmp_path, capsys):
+    code = main([*CHARLM, "--text", str(tmp_path / "corpus.txt"), "--tracker", "wandb"])
+    one_error_line(code, capsys.readouterr().err, "--tracker", "none, mlflow")
+
+
+@needs_mlflow
+def test_the_sink_sends_what_it_holds_in_one_batch_at_each_flush(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from recipes.runner.trackers.mlflow import MlflowSink
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=(tmp_path / "store").as_uri())
+    run_id = client.create_run("0").info.run_id
+    batches = []
+    log_batch = client.log_batch
+    monkeypatch.setattr(client, "log_batch",
+                        lambda *args, **kwargs: batches.append(1) or log_batch(*args, **kwargs))
+    sink = MlflowSink(client, run_id)
+    sink.write(4, 1, 100.0, {"train/loss": 2.5, "train/lr": 0.1})
+    sink.write(8, 1, 101.5, {"train/loss": 2.0, "train/lr": 0.2})
+    assert batches == [] and client.get_metric_history(run_id, "train/loss") == []
+    sink.flush()
+    sink.flush()  # nothing new: no call
+    assert batches == [1]
+    history = [(m.step, m.value, m.timestamp) for m in client.get_metric_history(run_id,
+                                                                                 "train/loss")]
+    assert history == [(4, 2.5, 100000), (8, 2.0, 101500)]
+
+
+@needs_mlflow
+def test_a_sink_whose_server_fails_warns_once_then_drops_what_it_gets(capsys):
+    from recipes.runner.trackers.mlflow import MlflowSink
+
+    class DownServer:
+        tracking_uri = "http://tracking.invalid"
+        calls = 0
+
+        def log_batch(self, run_id, metrics):
+            self.calls += 1
+            raise ConnectionError("Connection refused\nsecond line")
+
+    client = DownServer()
+    sink = MlflowSink(client, "run")
+    for step in range(3):
+        sink.write(step, 1, 1.0, {"train/loss": 1.0})
+        sink.flush()
+    sink.close()
+    err = capsys.readouterr().err.splitlines()
+    assert client.calls == 1 and sink.failed
+    assert err == ["warning: MLflow: logging to http://tracking.invalid failed (ConnectionError: "
+                   "Connection refused); the run goes on without MLflow"]
