@@ -110,8 +110,8 @@ class GradientTelemetry:
             trainer.add_event_handler(Events.ITERATION_COMPLETED, self._add_loss)
         trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP, self)
         trainer.add_event_handler(TrainEvents.STEP_SKIPPED, self._on_skipped)
-        trainer.add_event_handler(Events.COMPLETED, self._on_end)
-        trainer.add_event_handler(Events.TERMINATE, self._on_end)
+        trainer.add_event_handler(Events.COMPLETED, self.end)
+        trainer.add_event_handler(Events.TERMINATE, self.end)
 
     def add_listener(self, listener: Callable[[TelemetryReport], None]) -> None:
         self._listeners.append(listener)
@@ -262,7 +262,9 @@ class GradientTelemetry:
         for listener in self._listeners:
             listener(self.latest)
 
-    def _on_end(self, engine: Engine) -> None:
+    def end(self, engine: Engine) -> None:
+        """The run's end (``COMPLETED``, ``TERMINATE``; the run layer calls it for a finished
+        run started again): the partial interval's report and the health line, once."""
         if self._health_printed:  # terminate() fires TERMINATE and then COMPLETED
             return
         if self._norms:

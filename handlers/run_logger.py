@@ -118,7 +118,7 @@ class RunLogger:
         self.telemetry.add_listener(self._on_report)
         trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self._on_epoch_completed)
-        trainer.add_event_handler(Events.COMPLETED, self._on_completed)
+        trainer.add_event_handler(Events.COMPLETED, self.end)
         if evaluator is not None:
             evaluator.add_event_handler(Events.COMPLETED, self._on_validation)
 
@@ -212,7 +212,11 @@ class RunLogger:
             **(self.cost.scalars() if self.cost is not None else {})})
         self._flush()
 
-    def _on_completed(self, trainer: Engine) -> None:
+    def end(self, trainer: Engine) -> None:
+        """The closing records (HParams, ``best/val/*``), then close: at ``COMPLETED``, and
+        from the run layer for a finished run started again, whose last checkpoint came
+        before them (a kill may have come between)."""
+        self._epoch = trainer.state.epoch  # no EPOCH_STARTED came in a run started once done
         self._write_reports()
         if self.hparams is not None:
             metrics = {f"best/val/{name}": value for name, value in self.best.items()}

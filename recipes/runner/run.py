@@ -346,6 +346,7 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
         or bool(early_stopping and early_stopping.stopped_early))
     if finished and rank == 0:
         print("the run is already complete: nothing left to train")
+        handlers.end_again(trainer)
     if info is not None and not finished:
         _follow_new_lr_and_length(config, info.meta.get("config") or {}, trainer, handlers,
                                   epoch_length)

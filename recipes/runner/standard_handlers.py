@@ -113,6 +113,15 @@ class StandardHandlers:
     progress: Progress | None = None  # rank 0's
     cost: CostMeter | None = None
 
+    def end_again(self, trainer: Trainer) -> None:
+        """A finished run started again trains nothing, but its end is written again: the
+        telemetry's last partial interval and the logger's closing records come after the
+        final checkpoint, so metrics.jsonl (cut back to that checkpoint) ends as the run
+        did even when a kill came between the two."""
+        self.telemetry.end(trainer)
+        if self.logger is not None:
+            self.logger.end(trainer)
+
 
 def make_scheduler_factory(config: RunConfig, trainer: Trainer, plan: RunPlan
                            ) -> Callable[[], LRSchedulerHandler | None]:

@@ -29,7 +29,9 @@ def test_evaluation_needs_the_evaluator_it_runs():
 def test_a_run_folder_holds_metrics_jsonl_which_a_longer_resumed_run_continues(tmp_path):
     """One epoch, then the same run continued to two (new settings): metrics.jsonl reads as
     one two-epoch run. What the first session wrote after its last checkpoint (the epoch
-    end: its partial interval's report and its closing best/* record) is cut."""
+    end: its partial interval's report and its closing best/* record) is cut. Started
+    again once complete, after losing its closing record (a kill after the final save), the
+    run writes it again."""
     text = write_text(tmp_path / "corpus.txt")
     run = [*CHARLM, "--text", str(text), "--run-dir", str(tmp_path / "run"), "--log-every", "2"]
     assert main([*run, "--epochs", "1"]) == 0
@@ -54,3 +56,9 @@ def test_a_run_folder_holds_metrics_jsonl_which_a_longer_resumed_run_continues(t
         steps_per_epoch, 2 * steps_per_epoch]
     assert [r["step"] for r in records if "best/val/loss" in r] == [2 * steps_per_epoch]
     assert records[-1]["best/val/loss"] == min(r["val/loss"] for r in val)
+
+    path.write_text("".join(line + "\n" for line in path.read_text().splitlines()[:-1]))
+    assert main([*run, "--epochs", "2"]) == 0  # "already complete": trains nothing
+    again = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in again if "train/loss" in r] == [r["step"] for r in train]
+    assert [{**r, "time": 0} for r in again] == [{**r, "time": 0} for r in records]
