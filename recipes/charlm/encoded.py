@@ -50,7 +50,9 @@ def encoded_path(text: str, val_fraction: float, max_train_bytes: int, max_val_b
                  ) -> Path:
     """Where the encoded text of these split keys is kept."""
     source = sysconfig.get_paths()["stdlib"] if text == STDLIB else str(Path(text).resolve())
-    key = json.dumps([FORMAT, text, source, val_fraction, max_train_bytes, max_val_bytes])
+    # stdlib takes fewer files of its folder than the folder itself does
+    key = json.dumps([FORMAT, text == STDLIB, source, val_fraction, max_train_bytes,
+                      max_val_bytes])
     return cache_root() / "charlm" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin"
 
 

@@ -136,3 +136,12 @@ def test_a_text_file_that_cannot_be_read_whole_is_a_user_error_naming_it(problem
     with pytest.raises(DataError, match=error):
         encoded.load_encoded(tmp_path / "cache" / "x.bin", [segment], [])
     assert not (tmp_path / "cache" / "x.bin").exists()
+
+
+def test_one_text_named_two_ways_shares_one_encoded_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "text").mkdir()
+    assert encoded.encoded_path("text", 0.1, 100, 10) == \
+        encoded.encoded_path("./text/../text/", 0.1, 100, 10) == \
+        encoded.encoded_path(str(tmp_path / "text"), 0.1, 100, 10)
+    assert encoded.encoded_path("text", 0.1, 100, 10) != encoded.encoded_path("text", 0.1, 99, 10)
