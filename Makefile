@@ -7,7 +7,7 @@ RECIPE ?= cifar
 ARGS ?=
 REV ?= HEAD
 
-.PHONY: train test test-slow test-reliability bench bench-gpu bench-tracker bench-instructions bench-versus bench-extra lint lr-plot tensorboard clean
+.PHONY: train test test-slow test-reliability bench bench-gpu bench-tracker bench-instructions bench-versus bench-extra mutate mutate-extra lint lr-plot tensorboard clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,22 @@ bench-instructions: $(STAMP)
 # in one process on the tiny model (about a minute).
 bench-versus: $(STAMP)
 	$(PY) -m benchmarks.tools.versus $(REV)
+
+# Installs the mutate extra (mutmut) when it is missing.
+mutate-extra: $(STAMP)
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('mutmut') is None)" \
+		|| $(PY) -m pip install -q -e '.[dev,mutate]'
+
+# Mutation testing of the engine, the checkpoint and resume code and the data order with the
+# tests that cover them ([mutmut] in setup.cfg, docs/mutation.md); tens of minutes on 2 cores,
+# so not part of `make test`. From scratch each time: mutmut keeps a surviving mutant's verdict
+# even after a new test would kill it. Then `mutmut results` lists the survivors and
+# `mutmut show NAME` prints one as a diff.
+MUTATE_JOBS ?= 2
+mutate: mutate-extra
+	rm -rf mutants
+	nice -n 10 $(VENV)/bin/mutmut run --max-children $(MUTATE_JOBS)
+	$(VENV)/bin/mutmut results
 
 lr-plot: $(STAMP)
 	$(PY) -m recipes.tools.lr_plot --out runs/lr_schedules.png
