@@ -146,7 +146,7 @@ def test_files_changes_are_described(tmp_path):
     (root / "cat/3.jpg").unlink()
     (root / "dog/0.jpg").write_bytes(b"longer than before")
     assert describe_change(old, fingerprint_files(files, root, CLASSES), "training") == (
-        "training file names or sizes differ"
+        "training file names, sizes or labels differ"
     )
 
 
@@ -173,4 +173,5 @@ def test_files_fingerprint_sees_two_labels_swapped_with_names_sizes_and_counts_k
     old, new = (fingerprint_files(listed, root, CLASSES) for listed in (files, swapped))
     assert _counts_of(old) == _counts_of(new) and old["samples"] == new["samples"]
     assert old != new
+    assert describe_change(old, new, "training") == "training file names, sizes or labels differ"
     assert describe_change(old, new, "training") is not None
