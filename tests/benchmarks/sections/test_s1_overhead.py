@@ -85,7 +85,11 @@ def test_the_tracker_cost_is_paired_with_the_handler_set_or_said_to_be_unmeasure
     with_tracker = result({arm: [1.0, 1.0] for arm in s1_overhead.TRACKER_ARMS},
                           {"hand-tuned": [1.0, 1.0], "trainer+recipe": [1.0, 2.0],
                            "trainer+recipe+mlflow": [1.0002, 2.0002]})
+    with_tracker.runs["trainer+recipe+mlflow"] = [  # its log_batch in the run end
+        dataclasses.replace(run, end_seconds=0.03) for run in with_tracker.runs[
+            "trainer+recipe+mlflow"]]
     text = s1_overhead.tracker_cost(with_tracker)
+    assert "is 196.1 µs an iteration" in text  # 0.02 s more over 2 + 100 iterations
     # 0.0002 s over 100 iterations: 2 µs per iteration in each of the two pairs.
     assert "| `trainer+recipe+mlflow` | 15002 [10002, 20002] | 2.00 (2.00 to 2.00) |" in text
     without = result({"hand-tuned": [1.0], "trainer+recipe": [1.0]})
