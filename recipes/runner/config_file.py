@@ -96,6 +96,9 @@ def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
     for key, value in keys.items():
         name = key.replace("-", "_")
         try:
+            if name not in fields and isinstance(value, dict):
+                raise ConfigError(f"{key}: a table; a config file holds its keys at the top "
+                                  "level (--print-config's groups are comments)")
             if name not in fields:
                 raise ConfigError(unknown_key(name, list(fields), hints))
             if name in REQUESTS:

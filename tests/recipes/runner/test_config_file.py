@@ -108,7 +108,8 @@ BAD_FILES = {
                                 "f.json:1: --lr: expected a number, got null"),
     "a list": ("f.toml", "lr = [1, 2]\n", "f.toml:1: --lr: expected a number, got a list"),
     "a table": ("f.toml", "seed = 1\n[run]\nepochs = 3\n",
-                "f.toml:2: unknown key --run; did you mean --run-dir"),
+                "f.toml:2: run: a table; a config file holds its keys at the top level "
+                "(--print-config's groups are comments)"),
     "out of range": ("f.toml", "lr = 0.1\nbatch_size = 0\n",
                      "f.toml:2: --batch-size: must be >= 1, got 0"),
     "not a choice": ("f.toml", 'precision = "fp8"\n',
