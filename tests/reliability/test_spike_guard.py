@@ -42,6 +42,12 @@ def test_two_spikes_are_skipped_then_the_run_rolls_back_and_finishes(recovered, 
     assert summary["status"] == "completed"
     assert harness.tensorboard_scalars(run_dir, "health/rollbacks")
     assert harness.final_checkpoint(run_dir)["spike_guard"]["rollbacks"] == 1
+    # metrics.jsonl keeps what happened: the abandoned step 10's records, the rollback logged
+    # at step 9, the step axis going on from there.
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [record["step"] for record in records]
+    rollback = next(i for i, record in enumerate(records) if record.get("health/rollbacks") == 1)
+    assert (max(steps[:rollback]), steps[rollback], steps[rollback + 1]) == (10, 9, 11)
 
 
 def test_spikes_after_the_rollback_stop_the_run_with_exit_code_3(harness, tmp_path):
