@@ -160,6 +160,16 @@ def _log_params_and_tags(client: Any, run_id: str, run: TrackedRun) -> None:
                      tags=[RunTag(key, value) for key, value in tags.items()])
 
 
+def metric_key(tag: str) -> str:
+    """The MLflow key of a TensorBoard tag: every ``/`` after the first becomes ``.``
+    (``train/lr/decayed`` -> ``train/lr.decayed``). The file store keeps a key's values in a
+    file at the key's path, so ``train/lr`` and ``train/lr/decayed`` would need ``train/lr`` to
+    be a file and a folder; one level keeps MLflow's grouping by section (``train/``,
+    ``val/``, ``perf/``, ``health/``, ``best/``)."""
+    section, slash, rest = tag.partition("/")
+    return section + slash + rest.replace("/", ".")
+
+
 class MlflowSink:
     """A scalar sink (``handlers.scalar_sink``) into one MLflow run: ``write`` keeps the
     record as it came (no conversion among the step's work), ``flush`` sends everything
@@ -182,7 +192,7 @@ class MlflowSink:
             return
         from mlflow.entities import Metric
 
-        metrics = [Metric(tag, float(value), int(wall_time * 1000), step)
+        metrics = [Metric(metric_key(tag), float(value), int(wall_time * 1000), step)
                    for step, wall_time, scalars in records for tag, value in scalars.items()]
         try:
             self.client.log_batch(self.run_id, metrics=metrics)

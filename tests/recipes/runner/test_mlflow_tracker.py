@@ -6,13 +6,16 @@ without it."""
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from recipes.__main__ import main
-from tests.recipes.runner.test_run import CHARLM, digests, one_error_line, write_text
+from tests.recipes.runner.test_launch import TINY_AIRBENCH_RUN
+from tests.recipes.runner.test_run import CHARLM, REPO, digests, one_error_line, write_text
 
 needs_mlflow = pytest.mark.skipif(
     importlib.util.find_spec("mlflow") is None,
@@ -27,11 +30,11 @@ def train(tmp_path, *args: str) -> int:
                  "--tracker", "mlflow", "--eval-every", "1", "--log-every", "2", *args])
 
 
-def only_run(store):
+def only_run(store, experiment="charlm"):
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=store.as_uri())
-    experiment = client.get_experiment_by_name("charlm")
+    experiment = client.get_experiment_by_name(experiment)
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1
     return client, runs[0]
@@ -39,6 +42,13 @@ def only_run(store):
 
 def metric_steps(client, run, key):
     return sorted(metric.step for metric in client.get_metric_history(run.info.run_id, key))
+
+
+def scalar_tags(run_dir):
+    """Every scalar tag TensorBoard holds."""
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return events.Tags()["scalars"]
 
 
 def scalar_steps(run_dir, tag):
@@ -50,6 +60,8 @@ def scalar_steps(run_dir, tag):
 
 @needs_mlflow
 def test_the_mlflow_run_holds_the_config_tags_scalars_and_artifacts(tmp_path, monkeypatch):
+    from recipes.runner.trackers.mlflow import metric_key
+
     monkeypatch.chdir(tmp_path)  # the default store: mlruns/ beside runs/
     assert train(tmp_path, "--epochs", "1") == 0
     client, run = only_run(tmp_path / "mlruns")
@@ -59,6 +71,7 @@ def test_the_mlflow_run_holds_the_config_tags_scalars_and_artifacts(tmp_path, mo
     assert run.data.tags["run_id"] == saved["run_id"]
     assert run.data.tags["git_revision"].startswith(saved["environment"]["git"]["commit"])
     assert run.info.run_name == "run" and run.info.status == "FINISHED"
+    assert set(run.data.metrics) == {metric_key(tag) for tag in scalar_tags(tmp_path / "run")}
     for tag in ("train/loss", "train/lr", "val/loss"):
         assert metric_steps(client, run, tag) == scalar_steps(tmp_path / "run", tag), tag
     artifacts = {item.path for item in client.list_artifacts(run.info.run_id)}
@@ -135,8 +148,9 @@ def test_the_sink_sends_what_it_holds_in_one_batch_at_each_flush(tmp_path, monke
     monkeypatch.setattr(client, "log_batch",
                         lambda *args, **kwargs: batches.append(1) or log_batch(*args, **kwargs))
     sink = MlflowSink(client, run_id)
-    sink.write(4, 1, 100.0, {"train/loss": 2.5, "train/lr": 0.1})
-    sink.write(8, 1, 101.5, {"train/loss": 2.0, "train/lr": 0.2})
+    # A tag that is another's folder (a named parameter group's LR): train/lr.decayed.
+    sink.write(4, 1, 100.0, {"train/loss": 2.5, "train/lr": 0.1, "train/lr/decayed": 0.1})
+    sink.write(8, 1, 101.5, {"train/loss": 2.0, "train/lr": 0.2, "train/lr/decayed": 0.2})
     assert batches == [] and client.get_metric_history(run_id, "train/loss") == []
     sink.flush()
     sink.flush()  # nothing new: no call
@@ -144,6 +158,8 @@ def test_the_sink_sends_what_it_holds_in_one_batch_at_each_flush(tmp_path, monke
     history = [(m.step, m.value, m.timestamp) for m in client.get_metric_history(run_id,
                                                                                  "train/loss")]
     assert history == [(4, 2.5, 100000), (8, 2.0, 101500)]
+    assert [m.value for m in client.get_metric_history(run_id, "train/lr.decayed")] == [0.1, 0.2]
+    assert not sink.failed
 
 
 @needs_mlflow
@@ -168,3 +184,23 @@ def test_a_sink_whose_server_fails_warns_once_then_drops_what_it_gets(capsys):
     assert client.calls == 1 and sink.failed
     assert err == ["warning: MLflow: logging to http://tracking.invalid failed (ConnectionError: "
                    "Connection refused); the run goes on without MLflow"]
+
+
+@needs_mlflow
+@pytest.mark.slow
+def test_under_two_processes_rank_zero_alone_logs_to_mlflow_and_profiles(tmp_path,
+                                                                          monkeypatch):
+    result = subprocess.run(
+        [sys.executable, "-m", "recipes", "cifar", "--nproc", "2", *TINY_AIRBENCH_RUN,
+         "--tracker", "mlflow", "--profile", "0:2"], cwd=tmp_path,
+        env=os.environ | {"PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=600, check=False)
+    assert result.returncode == 0, result.stderr
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the run set it for its own process
+    client, run = only_run(tmp_path / "mlruns", "cifar")  # one MLflow run, not one a rank
+    assert run.info.status == "FINISHED" and client.get_metric_history(run.info.run_id,
+                                                                       "val/accuracy")
+    headings = [line for line in result.stdout.splitlines() if line.startswith("profile: ")]
+    assert len(headings) == 1 and "optimizer steps 1-2" in headings[0]
+    assert list((tmp_path / "runs" / "cifar" / "r" / "profile").iterdir()) == [
+        tmp_path / "runs" / "cifar" / "r" / "profile" / "trace.json.gz"]
