@@ -109,7 +109,8 @@ def describe_change(old: Fingerprint, new: Fingerprint, name: str = "data") -> s
     if len(recounted) > MAX_CLASSES_NAMED:
         changes.append(f"and {len(recounted) - MAX_CLASSES_NAMED} more classes")
     if not changes:  # same counts: something finer changed
-        for key, what in (("labels_sha256", "labels"), ("files_sha256", "file names, sizes or labels"),
+        for key, what in (("labels_sha256", "labels"),
+                          ("files_sha256", "file names, sizes or labels"),
                           ("images_shape", "image shapes"), ("images_dtype", "image dtypes")):
             if old.get(key) != new.get(key):
                 changes.append(f"{name} {what} differ")
