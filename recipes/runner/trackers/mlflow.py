@@ -14,8 +14,9 @@ wins). ``mlflow ui`` needs the full ``mlflow`` package and the same variable.
 
 A resumed run continues the same MLflow run: ``mlflow.json`` in the run folder keeps its
 tracking URI and id. MLflow's params cannot change, so a resume logs only keys the run does
-not have yet (a resume's overrides are in ``config.json``); scalars of the steps after the
-newest checkpoint are logged again after a kill (MLflow keeps both values of such a step).
+not have yet (a resume's overrides are in ``config.json``). Scalars are sent at the logger's
+flushes, which come with every checkpoint: after a kill, the steps since the newest checkpoint
+were never sent and come once as the run redoes them.
 
 Built on ``MlflowClient`` rather than Ignite's ``MLflowLogger``: that logger's handlers log
 at their own events, one call per metric, and read tensors with ``.item()``; here the

@@ -15,7 +15,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from recipes.__main__ import main
 from tests.recipes.runner.test_launch import TINY_AIRBENCH_RUN
-from tests.recipes.runner.test_run import CHARLM, REPO, digests, one_error_line, write_text
+from tests.recipes.runner.test_run import (
+    CHARLM,
+    REPO,
+    RUN_RECIPE,
+    digests,
+    one_error_line,
+    write_text,
+)
 
 needs_mlflow = pytest.mark.skipif(
     importlib.util.find_spec("mlflow") is None,
@@ -94,6 +101,26 @@ def test_a_resumed_run_continues_the_same_mlflow_run(tmp_path):
     assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"
     steps = metric_steps(client, run, "val/loss")
     assert len(steps) == 2 and steps == scalar_steps(tmp_path / "run", "val/loss")
+
+
+@needs_mlflow
+def test_a_run_killed_mid_way_continues_its_mlflow_run_each_step_once(tmp_path):
+    args = [*CHARLM, "--text", str(write_text(tmp_path / "corpus.txt", words=1200)),
+            "--run-dir", str(tmp_path / "run"), "--epochs", "1", "--tracker", "mlflow",
+            "--tracker-uri", str(tmp_path / "store"), "--log-every", "2",
+            "--checkpoint-every", "10"]
+    killed = subprocess.run([sys.executable, str(RUN_RECIPE), *args], cwd=tmp_path,
+                            env=os.environ | {"RELIABILITY_SIGNAL_AT": "SIGKILL:iteration:25"},
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert killed.returncode == -9, killed.stderr
+    started = json.loads((tmp_path / "run" / "mlflow.json").read_text())["run_id"]
+    assert main(args) == 0
+    client, run = only_run(tmp_path / "store")
+    assert run.info.run_id == started and run.info.status == "FINISHED"
+    # The sink sends at the logger's flushes, which come with each checkpoint: steps 22 and
+    # 24, reported after the step-20 checkpoint, died unsent and came again after the resume.
+    assert metric_steps(client, run, "train/loss") == [*range(2, 37, 2), 37] == scalar_steps(
+        tmp_path / "run", "train/loss")
 
 
 @needs_mlflow
