@@ -24,6 +24,8 @@ import torch
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
+from engine.sharding import on_whole
+
 # The quintic Newton-Schulz coefficients of Muon: they push every singular value into
 # roughly [0.7, 1.2] in a few steps rather than converging slowly to exactly 1.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -156,7 +158,9 @@ class Muon(torch.optim.Optimizer):
                 p.mul_(1 - lr * group["weight_decay"])
             matrix = update.reshape(p.shape[0], -1)
             shape_scale = max(1.0, matrix.shape[0] / matrix.shape[1]) ** 0.5
-            p.add_(orthogonalize(matrix, group["ns_steps"]).view_as(p), alpha=-lr * shape_scale)
+            # Under FSDP2 each rank holds rows of the matrix: orthogonalised whole.
+            orthogonal = on_whole(orthogonalize, matrix, group["ns_steps"])
+            p.add_(orthogonal.view_as(p), alpha=-lr * shape_scale)
 
 
 def _check_number(name: str, value: Any, low: float, high: float = math.inf) -> None:

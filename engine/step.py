@@ -1,7 +1,6 @@
 """The process function: one micro-batch in, one optimizer step queued at a window's end."""
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 from engine.batch import Forward, PrepareBatch
 from engine.nonfinite import NonFiniteGuard, PendingStep
 from engine.precision import Precision
+from engine.sharding import window_no_sync
 
 
 def window_position(state: State, accum_steps: int) -> tuple[int, bool]:
@@ -41,7 +41,7 @@ def make_train_step(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     # Each of these does nothing in some setting; skipping it there saves its Python call
     # (a `with` of a context that does nothing costs about as much as a tensor op).
-    no_sync = getattr(model, "no_sync", nullcontext)  # DDP's; inside a window only
+    no_sync = window_no_sync(model)  # DDP's or FSDP2's; inside a window only
     uses_scaler = precision.uses_scaler
     window_losses: list[torch.Tensor] = []  # read only to classify a skipped step
 
@@ -66,7 +66,7 @@ def make_train_step(
         batch = prepare_batch(batch, precision.device, True)
         if closes_window:
             loss = forward_backward(batch, window_len)
-        else:  # DDP all-reduces the gradients in the window's last backward only
+        else:  # DDP and FSDP2 reduce the gradients in the window's last backward only
             with no_sync():
                 loss = forward_backward(batch, window_len)
         output = {"loss": loss.detach()}

@@ -1,10 +1,15 @@
 """Clipping a window's gradients and applying its optimizer step only when their norm is
-finite, without making the host wait for the device."""
+finite, without making the host wait for the device.
+
+Under FSDP2 each rank works on its slices of the gradients, parameters and optimizer state
+(``engine.sharding``); the norm is the whole gradient's, the same on every rank, so every
+rank clips by the same coefficient and takes the same decision."""
 
 import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from engine.gradients import (
     NEVER_CLIPPED_BELOW,
@@ -12,6 +17,7 @@ from engine.gradients import (
     gradient_norms,
     host_clip_coefficient,
 )
+from engine.sharding import local_shards, shard_group, whole_norms
 
 # (the window's micro-batch losses, its pre-clip gradient norm) -> a 0-d bool tensor on the
 # norm's device, True to hold this window's update back. Called once per window before its
@@ -44,6 +50,7 @@ class HostGate:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        self._group = _shard_group_of(optimizer)
         self._norm = torch.empty(())
         self._norm_view = self._norm.numpy()
         self._applied = True
@@ -55,7 +62,9 @@ class HostGate:
         veto: StepVeto | None = None, window_losses: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-gradient norms, global pre-clip norm) of a window, after its update."""
-        per_gradient = gradient_norms(grads)
+        if self._group is not None:
+            grads = local_shards(grads)
+        per_gradient = whole_norms(gradient_norms(grads), self._group)
         norm_tensor = torch.linalg.vector_norm(per_gradient)
         self._norm.copy_(norm_tensor)  # cheaper than computing into it and cloning it out
         norm = self._norm_view.item()
@@ -101,6 +110,7 @@ class MaskedGate:
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         self.optimizer = optimizer
+        self._group = _shard_group_of(optimizer)
         on_cuda = device.type == "cuda"
         # (applied, vetoed); the second is written only by an update with a veto.
         self._flags = torch.zeros(2, dtype=torch.bool, pin_memory=on_cuda)
@@ -116,7 +126,9 @@ class MaskedGate:
         veto: StepVeto | None = None, window_losses: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-gradient norms, global pre-clip norm) of a window, after its update."""
-        per_gradient = gradient_norms(grads)
+        if self._group is not None:
+            grads = local_shards(grads)
+        per_gradient = whole_norms(gradient_norms(grads), self._group)
         norm = torch.linalg.vector_norm(per_gradient)
         if max_grad_norm is not None:
             clip_on_device(grads, norm, max_grad_norm)
@@ -132,6 +144,7 @@ class MaskedGate:
             for value in (saved or {}).values():
                 if isinstance(value, torch.Tensor):
                     (on_device if value.device == norm.device else on_host).append(value)
+        on_device, on_host = local_shards(on_device), local_shards(on_host)
         backups = [t.clone() for t in on_device]
         self._host_snapshots = [(t, t.clone()) for t in on_host]
         step_with_lr_scale(self.optimizer, self.lr_scale)
@@ -161,6 +174,10 @@ class MaskedGate:
     def vetoed(self) -> bool:
         """Whether the veto held the last ``update`` back; read after ``finite()``."""
         return bool(self._flags_view[1])
+
+
+def _shard_group_of(optimizer: torch.optim.Optimizer) -> dist.ProcessGroup | None:
+    return shard_group(p for group in optimizer.param_groups for p in group["params"])
 
 
 def make_gate(optimizer: torch.optim.Optimizer, device: torch.device) -> HostGate | MaskedGate:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from engine import Trainer, TrainEvents
 from engine.gradients import CLIP_EPS
+from engine.sharding import local_shards, shard_group, whole_norms
 from handlers.arguments import check_int
 
 # A median pre-clip norm above this multiple of max_grad_norm means clipping does the job of a
@@ -213,9 +214,12 @@ class GradientTelemetry:
         named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
         if named:
             self._layer_names = [name for name, _ in named]
-            self._layer_norms = list(
-                torch._foreach_norm([grad for _, grad in named], 2, dtype=torch.float32)
-            )
+            grads = [grad for _, grad in named]
+            # FSDP2's gradients are slices: each rank's norms, summed over the ranks.
+            norms = torch._foreach_norm(local_shards(grads), 2, dtype=torch.float32)
+            group = shard_group(grads)
+            self._layer_norms = list(norms if group is None
+                                     else whole_norms(torch.stack(norms), group))
 
     def _group_lrs(self) -> dict[str, float]:
         groups = self._trainer.optimizer.param_groups

@@ -12,7 +12,6 @@ end a sample of generated text is printed.
 import math
 from dataclasses import dataclass
 
-import ignite.distributed as idist
 import torch
 from ignite.engine import Events
 from ignite.metrics import Loss, MetricsLambda
@@ -29,6 +28,7 @@ from recipes.common.optimizers import build_optimizer
 from recipes.runner.api import Context, Parts, Recipe
 from recipes.runner.config import ConfigError
 from recipes.runner.errors import DataError
+from recipes.runner.strategy import is_sharded
 
 SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200  # the text generated at the end
 
@@ -76,7 +76,7 @@ def build(config: Config, corpus: Corpus, ctx: Context) -> Parts:
     val_windows = [corpus.val[i * span:(i + 1) * span + 1] for i in range(corpus.windows[1])]
     model = GPT(256, span, config.n_layer, config.n_head, config.n_embd, config.dropout,
                 activation_checkpointing=config.activation_checkpointing).to(ctx.device)
-    train_model = idist.auto_model(model) if ctx.world_size > 1 else model  # saved: model
+    train_model = ctx.distribute(model)  # saved: model (FSDP shards it in place)
     optimizer = build_optimizer(config, model, own="adamw", normalize=False, lr=config.lr,
                                 betas=(0.9, 0.99))  # nanoGPT's betas for small batches
 
@@ -84,13 +84,15 @@ def build(config: Config, corpus: Corpus, ctx: Context) -> Parts:
         prompt = torch.tensor([list(SAMPLE_PROMPT)], device=ctx.device)
         generator = torch.Generator().manual_seed(config.seed)  # leaves the run's RNG alone
         sample = model.eval().generate(prompt, SAMPLE_BYTES, generator)[0].tolist()
+        if ctx.rank != 0:
+            return
         text = bytes(sample).decode("utf-8", errors="replace")
         print(f"sample:\n{text}")
         with SummaryWriter(ctx.run_dir) as writer:
             writer.add_text("sample", f"```\n{text}\n```", trainer.state.iteration)
 
     def attach_sample(trainer, evaluator, plan) -> dict:
-        if ctx.rank == 0:  # only rank 0 writes
+        if ctx.rank == 0 or is_sharded(model):  # only rank 0 writes; FSDP's forwards need all
             trainer.add_event_handler(Events.COMPLETED, write_sample)
         return {}
 
@@ -115,4 +117,5 @@ RECIPE = Recipe(
     name="charlm", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
     build=build, metrics={"loss": "min", "perplexity": "min"}, best="loss",
     sample_counts=lambda corpus: corpus.windows, fingerprint=lambda corpus: {"text": corpus.facts},
-    commands=COMMANDS, activation_checkpointing=True)
+    commands=COMMANDS, activation_checkpointing=True,
+    blocks=lambda model: list(model.transformer.h))

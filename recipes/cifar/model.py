@@ -136,6 +136,14 @@ MODELS: dict[str, Callable[[int], nn.Module]] = {
 }
 
 
+def stages(model: nn.Module) -> list[nn.Module]:
+    """The blocks ``--strategy fsdp`` shards one by one: airbench's three conv groups,
+    ResNet-18's four stages."""
+    if isinstance(model, AirbenchNet):
+        return [module for module in model.body if isinstance(module, ConvGroup)]
+    return [model.layer1, model.layer2, model.layer3, model.layer4]
+
+
 def build_model(name: str, num_classes: int = 10) -> nn.Module:
     """A freshly initialised model by name: one of ``MODELS``."""
     if name not in MODELS:

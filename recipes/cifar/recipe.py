@@ -10,7 +10,6 @@ training set. The run itself (folder, resume, handlers, processes) is ``recipes.
 from dataclasses import replace
 from pathlib import Path
 
-import ignite.distributed as idist
 import torch
 from ignite.metrics import Accuracy, Loss
 
@@ -20,7 +19,7 @@ from recipes.cifar.batches import EvalBatches, TrainBatches
 from recipes.cifar.commands import COMMANDS, EVAL_SPLITS
 from recipes.cifar.config import Config
 from recipes.cifar.data import CifarArrays, holdout_validation, load_cifar10, make_synthetic, subset
-from recipes.cifar.model import TTA_FORWARDS, TTAPredict, build_model
+from recipes.cifar.model import TTA_FORWARDS, TTAPredict, build_model, stages
 from recipes.common.optimizers import build_optimizer
 from recipes.common.paths import default_data_dir
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
@@ -43,6 +42,9 @@ def data_source(config: Config) -> str:
 
 
 def load_data(config: Config) -> CifarArrays:
+    if config.strategy == "fsdp" and config.lookahead:  # its average would be sharded
+        raise ConfigError("--lookahead: not with --strategy fsdp (its average of the weights "
+                          "is not gathered into checkpoints); add --lookahead false")
     if config.dataset == "synthetic":
         sizes = config.train_subset or SYNTHETIC_SIZES[0], config.val_subset or SYNTHETIC_SIZES[1]
         arrays = make_synthetic(*sizes, seed=config.seed)
@@ -71,7 +73,7 @@ def build(config: Config, arrays: CifarArrays, ctx: Context) -> Parts:
         net.init_whitening(train_batches.normalise(train_batches.images[:5000]))
     if config.channels_last:
         net = net.to(memory_format=torch.channels_last)
-    model = idist.auto_model(net) if ctx.world_size > 1 else net  # checkpoints hold `net`
+    model = ctx.distribute(net)  # checkpoints hold `net` (FSDP shards it in place)
     optimizer = build_optimizer(config, model, own="sgd", lr=config.lr,
                                 momentum=config.momentum, nesterov=config.nesterov)
     predict = TTAPredict(config.tta)
@@ -118,6 +120,6 @@ RECIPE = Recipe(
     name="cifar", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
     build=build, metrics={"accuracy": "max", "loss": "min"}, best="accuracy",
     sample_counts=lambda arrays: (len(arrays.train_labels), len(arrays.test_labels)),
-    commands=COMMANDS, eval_splits=EVAL_SPLITS,
+    commands=COMMANDS, eval_splits=EVAL_SPLITS, blocks=stages,
     fingerprint=fingerprint, data_source=data_source,
     stand_in_data=lambda config: load_data(replace(config, dataset="synthetic")))

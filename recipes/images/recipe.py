@@ -113,6 +113,25 @@ def build_classifier(name: str, num_classes: int, small_images: bool) -> nn.Modu
     return model
 
 
+def stages(model: nn.Module) -> list[nn.Module]:
+    """The blocks ``--strategy fsdp`` shards one by one, for any torchvision classifier: the
+    stages at the model's top level when it has more than two (ResNet's ``layer1`` to
+    ``layer4``), else the parts of its largest sequence of modules (the stages in
+    ``features`` of ConvNeXt, EfficientNet or VGG, a ViT's encoder layers), else its
+    top-level parts; only parts that hold parameters."""
+    def size(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    top = [child for child in model.children() if size(child)]
+    stacked = [child for child in top if isinstance(child, nn.Sequential)]
+    if len(stacked) > 2:
+        return stacked
+    sequences = [module for module in model.modules()
+                 if isinstance(module, nn.Sequential | nn.ModuleList)]
+    largest = [child for child in max(sequences, key=size, default=[]) if size(child)]
+    return largest if len(largest) > 1 else top
+
+
 def build(config: Config, data: ImageData, ctx: Context) -> Parts:
     folders, pin_memory = data.folders, ctx.device.type == "cuda"
     sampler = EpochBatchSampler(len(folders.train), config.batch_size, seed=config.seed,
@@ -129,7 +148,7 @@ def build(config: Config, data: ImageData, ctx: Context) -> Parts:
     else:
         net = pretrained_classifier(config.model, data.pretrained, len(folders.classes))
     net = net.to(ctx.device)
-    model = idist.auto_model(net) if ctx.world_size > 1 else net  # checkpoints hold `net`
+    model = ctx.distribute(net)  # checkpoints hold `net` (FSDP shards it in place)
     optimizer = build_optimizer(config, model, own="sgd", lr=config.lr,
                                 momentum=config.momentum, nesterov=config.nesterov)
     metrics = {"accuracy": Accuracy(device=ctx.device),
@@ -155,6 +174,6 @@ RECIPE = Recipe(
     name="images", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
     build=build, metrics={"accuracy": "max", "loss": "min"}, best="accuracy",
     sample_counts=lambda data: (len(data.folders.train), len(data.folders.val)),
-    commands=COMMANDS, eval_splits=EVAL_SPLITS,
+    commands=COMMANDS, eval_splits=EVAL_SPLITS, blocks=stages,
     fingerprint=fingerprint, data_source=lambda config: str(data_folder(config)),
     stand_in_data=stand_in_data)

@@ -17,8 +17,9 @@ A recipe module ``recipes/<name>/recipe.py`` holds one value, ``RECIPE = Recipe(
   data is refused, naming what changed;
 - optional: ``commands`` (by name, ``command(recipe, args) -> exit code``: what
   ``python -m recipes <name> <command> <run> ...`` runs besides training and ``evaluate``,
-  ``recipes.runner.commands``) and ``eval_splits`` (the splits besides validation that
-  ``evaluate --split`` can name).
+  ``recipes.runner.commands``), ``eval_splits`` (the splits besides validation that
+  ``evaluate --split`` can name) and ``blocks(model) -> [module]`` (the repeated blocks
+  that ``--strategy fsdp`` shards one by one, ``recipes.runner.strategy``).
 
 ``recipes.runner.run.run(RECIPE, config, given)`` does the rest (``python -m recipes <name>``
 calls it).
@@ -39,15 +40,22 @@ from engine.batch import Forward, Predict, PrepareBatch, move_to_device, supervi
 from handlers.goal import check_mode
 
 
+def _whole(model: nn.Module) -> nn.Module:
+    return model
+
+
 @dataclass(frozen=True)
 class Context:
     """Where this process trains: its device, its rank among ``world_size`` processes, and
-    the run folder (only rank 0 writes there)."""
+    the run folder (only rank 0 writes there). ``distribute(model)`` returns the model as
+    the step calls it under the run's ``--strategy`` (a DDP wrapper, or the model itself
+    sharded in place by FSDP2); call it before building the optimizer."""
 
     device: torch.device
     rank: int
     world_size: int
     run_dir: Path
+    distribute: Callable[[nn.Module], nn.Module] = _whole
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,9 @@ class Recipe:
     # forward may run again in the backward with the same result (no BatchNorm, whose
     # running statistics a second forward would update twice).
     activation_checkpointing: bool = False
+    # model -> its repeated blocks (a transformer's layers, a conv net's stages), which
+    # --strategy fsdp shards one by one; None: the recipe runs under --strategy ddp only.
+    blocks: Callable[[nn.Module], list[nn.Module]] | None = None
 
     def __post_init__(self) -> None:
         for name, mode in self.metrics.items():

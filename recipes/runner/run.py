@@ -49,6 +49,7 @@ from recipes.runner.environment import environment_record
 from recipes.runner.errors import USER_ERRORS
 from recipes.runner.fingerprint import describe_change
 from recipes.runner.folder import read_saved_config, resolve_run_dir, write_json_atomic
+from recipes.runner.full_state import FullState
 from recipes.runner.init_from import applies, load_init_weights, plan_init_from
 from recipes.runner.launch import (
     launched_by_torchrun,
@@ -75,6 +76,13 @@ from recipes.runner.standard_handlers import (
     StandardHandlers,
     attach_standard_handlers,
     attach_weight_averaging,
+)
+from recipes.runner.strategy import (
+    check_strategy,
+    distributor,
+    evaluate_unsharded,
+    is_sharded,
+    strategy_line,
 )
 from recipes.runner.trackers import check_tracker
 from recipes.runner.tracking import close_tracker, open_tracker, tracker_sinks
@@ -165,6 +173,7 @@ def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | No
         resolve_precision(config.precision, config.device)
     except ValueError as error:
         raise ConfigError(f"--device/--precision: {error}") from None
+    check_strategy(recipe, config)
     if config.scheduler == "warmup_cosine" and config.warmup() >= config.epochs:
         raise ConfigError(f"--warmup-epochs: must be < --epochs {config.epochs} for "
                           f"warmup_cosine, got {config.warmup()}")
@@ -271,8 +280,10 @@ def train_process(local_rank: int, ref: str, config: dict[str, Any], run_dir: Pa
 def build_parts(recipe: Recipe, config: RunConfig, data: Any, run_dir: Path
                 ) -> tuple[Context, Parts, Trainer]:
     """Seed, build the recipe's parts for this process and its trainer (no handlers)."""
-    ctx = Context(process_device(config.device), idist.get_rank(), idist.get_world_size(),
-                  run_dir)
+    device, world_size = process_device(config.device), idist.get_world_size()
+    distribute = distributor(config.strategy, recipe.blocks,
+                             resolve_precision(config.precision, device), world_size)
+    ctx = Context(device, idist.get_rank(), world_size, run_dir, distribute)
     torch.manual_seed(config.seed)
     random.seed(config.seed)  # its state is in every checkpoint (RngState)
     parts = recipe.build(config, data, ctx)
@@ -303,6 +314,12 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started,
     extra = dict(parts.attach_extra(trainer, evaluator, plan) if parts.attach_extra else {})
     if hasattr(parts.train_batches, "state_dict"):  # a loader's position (workers, sampler)
         extra[TRAIN_DATA] = parts.train_batches
+    save_around = None
+    if is_sharded(train_model):  # checkpoints hold the whole model and optimizer state
+        full_state = FullState(parts.model, trainer.optimizer)
+        extra |= full_state.entries
+        save_around = full_state.gathered
+        evaluate_unsharded(evaluator, train_model)
     if config.averaging != "none":
         replay = getattr(parts.train_batches, "epoch_batches", None)
         extra["averaging"] = attach_weight_averaging(
@@ -312,7 +329,8 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started,
     site = RunSite(started.run_dir, started.run_id, recipe.metrics, recipe.best, plan,
                    rank=ctx.rank, model=parts.model,
                    checkpoint_meta={"data": started.fingerprint}, num_classes=parts.num_classes,
-                   cost=cost_meter(config, ctx, parts), sinks=sinks or {})
+                   cost=cost_meter(config, ctx, parts), sinks=sinks or {},
+                   save_around=save_around)
     evaluation = Evaluation(parts.val_batches, config.eval_every, config.epochs,
                             before=parts.before_evaluation, forwards=parts.evaluation_forwards)
     handlers = attach_standard_handlers(trainer, evaluator, config, site, evaluation, extra)
@@ -328,6 +346,8 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     trainer, _, parts, handlers = build_run(recipe, config, started, tracker_sinks(tracker))
     if rank == 0:
         print_header(recipe, config, started.run_dir, started.data, parts.model)
+        if config.strategy == "fsdp":
+            print(strategy_line(resolve_precision(config.precision, config.device), world))
     info = handlers.checkpointer.resume(config.resume) if rank == 0 else None
     if world > 1:  # rank 0 picked the file (and cleared stale temp files); all load that one
         chosen = idist.broadcast(str(info.path) if info is not None else "never", src=0)
@@ -423,6 +443,7 @@ def find_lr_run(recipe: Recipe, config: RunConfig) -> int:
     clipping as configured); prints the suggested peak LR and writes ``lr_find.png`` in the
     run folder. Trains nothing and leaves no checkpoint or config.json."""
     check_recipe_keys(recipe, config)
+    check_strategy(recipe, config)
     run_dir = resolve_run_dir(recipe.name, config.run_name, config.run_dir)
     data = recipe.load_data(config)  # a DataError here leaves nothing on disk
     with RunLock(run_dir):
@@ -446,6 +467,7 @@ def overfit_run(recipe: Recipe, config: RunConfig) -> int:
     (Lightning's ``overfit_batches``). Writes nothing."""
     if config.nproc != 1 or launched_by_torchrun():
         raise ConfigError("--overfit-batches runs in one process: use --nproc 1")
+    check_strategy(recipe, config)
     _, parts, trainer = build_parts(recipe, config, recipe.load_data(config), Path("."))
     fixed = list(itertools.islice(iter(parts.train_batches), config.overfit_batches))
     losses: list[float] = []

@@ -34,6 +34,7 @@ SCHEDULER_NAMES = ("none", "step", "cosine", "onecycle", "plateau", "cosine_rest
                    "warmup_cosine")  # handlers.lr_scheduling.SCHEDULER_NAMES
 WATCH_CHOICES = ("both", "loss", "grad_norm")  # handlers.spike_guard.WATCH_CHOICES
 BACKENDS = ("auto", "gloo", "nccl")
+STRATEGIES = ("ddp", "fsdp")
 PROGRESS = ("auto", "bar", "plain", "off")
 AVERAGING = ("none", "ema", "swa")
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -187,6 +188,10 @@ class RunConfig:
 
     nproc: int = distributed_key(1, "processes to spawn on this machine (DDP, one per GPU); "
                                  "1 under torchrun, which starts them itself", min=1)
+    strategy: str = distributed_key("ddp", "how the processes hold the model: ddp (each "
+                                    "the whole model, gradients all-reduced) | fsdp (FSDP2: "
+                                    "parameters, gradients and optimizer state sharded "
+                                    "over the processes, block by block)", choices=STRATEGIES)
     backend: str = distributed_key("auto", "process group of several processes: auto (nccl "
                                    "for CUDA, else gloo)", choices=BACKENDS)
 

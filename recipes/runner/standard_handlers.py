@@ -10,7 +10,9 @@ handlers sharing an event run; the reason for each position is next to it.
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -60,6 +62,8 @@ class RunSite:
     model: nn.Module | None = None
     checkpoint_meta: Mapping[str, Any] | None = None  # stored in every checkpoint
     num_classes: int | None = None  # for the start-up checks
+    # Entered on every rank around each save (an FSDP run gathers its sharded state there).
+    save_around: Callable[[], AbstractContextManager] | None = None
     progress_stream: TextIO | None = None
     cost: CostMeter | None = None  # throughput, MFU and peak memory per epoch
     # Scalar sinks besides TensorBoard's and metrics.jsonl (an experiment tracker's), by name.
@@ -218,7 +222,7 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         site.run_dir / "checkpoints", to_save, run_id=site.run_id,
         config={**dataclasses.asdict(config), **(site.checkpoint_meta or {})},
         keep_last=config.keep_last, best=goal, save_every=config.checkpoint_every,
-        wrap_save=RankZeroSave)
+        wrap_save=partial(RankZeroSave, around=site.save_around))
     stop = GracefulStop(checkpointer.last_handler)  # every rank gets the signal, all save
     in_order: list[Handler | None] = [
         StartupChecks(site.num_classes) if config.checks == "on" else None,

@@ -1,0 +1,154 @@
+"""``--strategy fsdp`` against ``--strategy ddp`` on two gloo processes on the CPU.
+
+One spawned group trains every run of the module's fixture in turn (a group costs more to
+start than a tiny run): charlm and the airbench CIFAR net under each strategy with
+accumulation and a clip that bites, and an FSDP charlm run stopped after its first epoch
+and resumed. FSDP keeps a 1/2 slice of each parameter per rank and reduce-scatters where
+DDP all-reduces, so the weights agree to float rounding, not bit for bit; a resumed FSDP
+run is bit-identical to an uninterrupted one. Checkpoints hold the whole model and
+optimizer state in the single-file format of a DDP run.
+"""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import new_run_id
+from handlers import read_checkpoint
+from recipes.__main__ import main
+from recipes.charlm import recipe as charlm
+from recipes.cifar import recipe as cifar
+from recipes.runner.launch import process_device, share_machine, spawn
+from recipes.runner.run import Started, train
+from tests.recipes.runner.test_run import one_error_line
+
+REPO = Path(__file__).resolve().parents[3]
+GUIDE = REPO / "docs" / "writing-a-recipe.md"
+CHARLM = {"val_fraction": 0.2, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16,
+          "batch_size": 16, "epochs": 2, "accum_steps": 2, "max_grad_norm": 0.3,
+          "scheduler": "none", "lr": 3e-3, "progress": "off", "device": "cpu",
+          "checkpoint_every": 3, "log_every": 2}
+CIFAR = {"dataset": "synthetic", "train_subset": 64, "val_subset": 9, "batch_size": 16,
+         "accum_steps": 2, "max_grad_norm": 0.5, "epochs": 1, "warmup_epochs": 0.5,
+         "lookahead": False, "progress": "off", "device": "cpu", "log_every": 1}
+
+
+def _write_text(folder: Path) -> Path:
+    words = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(60)]
+    (folder / "text.txt").write_text("".join(words))
+    return folder / "text.txt"
+
+
+def _train_all(local_rank: int, runs: list[tuple[str, dict, str, str]]) -> int:
+    """Every run in turn on this rank: (recipe, config, run folder, run id)."""
+    for name, settings, run_dir, run_id in runs:
+        module = {"charlm": charlm, "cifar": cifar}[name]
+        config = module.Config(**settings)
+        share_machine(process_device(config.device))
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        code = train(module.RECIPE, config,
+                     Started(Path(run_dir), run_id, {}, module.load_data(config)))
+        if code:
+            return code
+    return 0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("strategies")
+    text = str(_write_text(root))
+    charlm_keys = CHARLM | {"text": text}
+    resumed_id = new_run_id()
+    plan = [("charlm", charlm_keys | {"strategy": "ddp"}, "charlm-ddp"),
+            ("charlm", charlm_keys | {"strategy": "fsdp"}, "charlm-fsdp"),
+            ("charlm", charlm_keys | {"strategy": "fsdp", "epochs": 1}, "charlm-resumed"),
+            ("charlm", charlm_keys | {"strategy": "fsdp"}, "charlm-resumed"),
+            ("cifar", CIFAR | {"strategy": "ddp"}, "cifar-ddp"),
+            ("cifar", CIFAR | {"strategy": "fsdp"}, "cifar-fsdp")]
+    runs = [(name, settings | {"run_dir": str(root / folder)}, str(root / folder),
+             resumed_id if folder == "charlm-resumed" else new_run_id())
+            for name, settings, folder in plan]
+    assert spawn(_train_all, runs, nproc=2, backend="gloo") == 0
+    return root
+
+
+def _last(run: Path) -> dict:
+    return read_checkpoint(run / "checkpoints" / "last.pt")
+
+
+@pytest.mark.parametrize("recipe", ["charlm", "cifar"])
+def test_fsdp_reaches_ddps_weights_and_optimizer_state(runs, recipe):
+    ddp, fsdp = _last(runs / f"{recipe}-ddp"), _last(runs / f"{recipe}-fsdp")
+    assert ddp["model"].keys() == fsdp["model"].keys()
+    for name, tensor in ddp["model"].items():
+        torch.testing.assert_close(fsdp["model"][name], tensor, rtol=0, atol=1e-5)
+    assert fsdp["optimizer"]["param_groups"] == ddp["optimizer"]["param_groups"]
+    for index, state in ddp["optimizer"]["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(fsdp["optimizer"]["state"][index][key], value,
+                                       rtol=0, atol=1e-5)
+    assert fsdp["meta"]["optimizer_step"] == ddp["meta"]["optimizer_step"] > 1
+    # Every step clipped, by the whole model's norm: the same pre-clip norms as DDP's.
+    seen = [checkpoint["telemetry"] for checkpoint in (ddp, fsdp)]
+    assert seen[0]["clipped_total"] == seen[1]["clipped_total"] == ddp["meta"]["optimizer_step"]
+    torch.testing.assert_close(seen[1]["norm_history"], seen[0]["norm_history"], rtol=1e-5,
+                               atol=0)
+
+
+def test_an_fsdp_run_resumed_after_its_first_epoch_ends_as_an_uninterrupted_one(runs):
+    straight, resumed = _last(runs / "charlm-fsdp"), _last(runs / "charlm-resumed")
+    assert resumed["meta"]["optimizer_step"] == straight["meta"]["optimizer_step"]
+    for key in ("model", "optimizer"):
+        flat = torch.utils._pytree.tree_flatten(straight[key])[0]
+        again = torch.utils._pytree.tree_flatten(resumed[key])[0]
+        for a, b in zip(flat, again, strict=True):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_one_process_under_fsdp_reaches_two_ddp_processes_weights(runs, tmp_path):
+    """A one-rank group: the same global batch in one process, through the command line."""
+    args = [f"--{key.replace('_', '-')}={value}" for key, value in CHARLM.items()]
+    done = subprocess.run(
+        [sys.executable, "-m", "recipes", "charlm", "--text", str(runs / "text.txt"), *args,
+         "--strategy", "fsdp", "--run-name", "one"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "strategy: fsdp (FSDP2 over 1 process(es)" in done.stdout
+    assert "fp32 throughout" in done.stdout
+    one = _last(tmp_path / "runs" / "charlm" / "one")["model"]
+    for name, tensor in _last(runs / "charlm-ddp")["model"].items():
+        torch.testing.assert_close(one[name], tensor, rtol=0, atol=1e-5)
+
+
+def _recipe_without_blocks(folder: Path) -> Path:
+    source = GUIDE.read_text().split("<!-- recipe-example -->\n```python\n")[1].split("```")[0]
+    (folder / "spirals.py").write_text(source)
+    return folder / "spirals.py"
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["cifar", "--strategy", "fsdp", "--dataset", "synthetic"], ["--lookahead", "false"]),
+    (["cifar", "--strategy", "fsdp", "--lookahead", "false", "--averaging", "ema",
+      "--dataset", "synthetic"], ["--averaging", "--strategy ddp"]),
+    (["cifar", "--strategy", "fsdp", "--lookahead", "false", "--precision", "fp16",
+      "--dataset", "synthetic"], ["fp16", "bf16"]),
+    (["cifar", "--strategy", "fsdp", "--nproc", "2", "--batch-size", "33",
+      "--lookahead", "false", "--dataset", "synthetic"], ["divisible by the 2 processes"]),
+    (["SPIRALS", "--strategy", "fsdp"], ["names no blocks", "--strategy ddp"]),
+])
+def test_what_fsdp_cannot_run_is_refused_in_one_line_before_anything_is_written(
+        tmp_path, monkeypatch, capsys, args, fragments):
+    monkeypatch.chdir(tmp_path)
+    args = [str(_recipe_without_blocks(tmp_path)) if a == "SPIRALS" else a for a in args]
+    code = main([*args, "--device", "cpu", "--progress", "off", "--run-name", "refused"])
+    one_error_line(code, capsys.readouterr().err, "--strategy fsdp" if "SPIRALS" in str(
+        args) else "", *fragments)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_config_dataclass_carries_the_strategy():
+    assert dataclasses.asdict(cifar.Config())["strategy"] == "ddp"
