@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ignite.engine import Engine, Events
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerAction, ProfilerActivity, profile
 from tqdm import tqdm
 
 from engine import Trainer, TrainEvents
@@ -54,12 +54,17 @@ class StepProfiler:
     def _on_step(self, trainer: Engine) -> None:
         step = trainer.state.optimizer_step
         if self._profiler is not None:
-            self._profiler.step()
             if step >= self.stop:
-                self._finish(trainer)
+                self._finish(trainer)  # closes ProfilerStep#stop; a step() would open another
+            else:
+                self._profiler.step()
         elif not self.done and self.start <= step < self.stop:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self._profiler = profile(activities=activities)
+            # A schedule (one that always records, as profile's default) is what makes
+            # profile.step() mark each step ProfilerStep#N; numbered by optimizer step.
+            self._profiler = profile(activities=activities,
+                                     schedule=lambda _step: ProfilerAction.RECORD)
+            self._profiler.step_num = step + 1
             self._profiler.start()
             self._first_step = step + 1
 

@@ -84,3 +84,18 @@ def test_a_run_resumed_past_the_window_profiles_nothing(tmp_path):
 def test_bad_windows_are_refused(tmp_path, start, stop, named):
     with pytest.raises(ValueError, match=f"^{named} must be an int"):
         StepProfiler(start, stop, tmp_path / "trace.json.gz")
+
+
+def test_each_window_step_is_marked_profiler_step_n_around_its_work(tmp_path):
+    trainer = scripted_trainer()
+    profiler = StepProfiler(2, 5, tmp_path / "trace.json.gz", stream=io.StringIO())
+    profiler.attach(trainer)
+    trainer.run(range(8), max_epochs=1)
+    events = json.loads(gzip.decompress(profiler.trace_path.read_bytes()))["traceEvents"]
+    spans = {event["name"]: (event["ts"], event["ts"] + event["dur"]) for event in events
+             if event.get("name", "").startswith(("ProfilerStep#", "step"))}
+    assert sorted(name for name in spans if name.startswith("ProfilerStep#")) == [
+        "ProfilerStep#3", "ProfilerStep#4", "ProfilerStep#5"]
+    for n in (3, 4, 5):
+        (begin, end), (work_begin, work_end) = spans[f"ProfilerStep#{n}"], spans[f"step{n}"]
+        assert begin <= work_begin and work_end <= end
