@@ -84,8 +84,9 @@ class StepProfiler:
     def summary(self, profiler: profile, first: int, last: int) -> list[str]:
         """A heading and the ``top`` operators by self time, one line each."""
         clock = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        operators = sorted(profiler.key_averages(), key=lambda op: getattr(op, clock),
-                           reverse=True)[:self.top]
+        # The ProfilerStep markers are not operators: their self time is what runs between.
+        operators = [op for op in profiler.key_averages() if not op.key.startswith("ProfilerStep")]
+        operators = sorted(operators, key=lambda op: getattr(op, clock), reverse=True)[:self.top]
         heading = (f"profile: optimizer steps {first}-{last} in {self.trace_path} "
                    f"(open in ui.perfetto.dev); top {len(operators)} operators by self "
                    f"{'CUDA' if self.cuda else 'CPU'} time:")

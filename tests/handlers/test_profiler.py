@@ -4,6 +4,7 @@ trace as ``step<n>``: the window holds exactly its steps, the trace is Chrome's 
 import gzip
 import io
 import json
+import time
 
 import pytest
 import torch
@@ -99,3 +100,21 @@ def test_each_window_step_is_marked_profiler_step_n_around_its_work(tmp_path):
     for n in (3, 4, 5):
         (begin, end), (work_begin, work_end) = spans[f"ProfilerStep#{n}"], spans[f"step{n}"]
         assert begin <= work_begin and work_end <= end
+
+
+def test_the_printed_table_lists_operators_not_the_step_markers(tmp_path):
+    def step(engine: Engine, _) -> None:  # time outside any operator is the marker's own
+        engine.state.optimizer_step += 1
+        time.sleep(0.05)
+        torch.ones(8, 8).mm(torch.ones(8, 8))
+        engine.fire_event(TrainEvents.OPTIMIZER_STEP)
+
+    trainer, stream = Engine(step), io.StringIO()
+    trainer.register_events(*TrainEvents)
+    trainer.add_event_handler(Events.STARTED,
+                              lambda engine: setattr(engine.state, "optimizer_step", 0))
+    StepProfiler(0, 3, tmp_path / "trace.json.gz", stream=stream).attach(trainer)
+    trainer.run(range(4), max_epochs=1)
+    table = stream.getvalue().splitlines()[1:]
+    assert any(line.endswith("aten::mm") for line in table)
+    assert not any("ProfilerStep" in line for line in table)
