@@ -25,8 +25,9 @@ def check_profile_window(config: RunConfig, train_samples: int) -> None:
     micro_batches = math.ceil(train_samples / config.batch_size)
     steps = math.ceil(micro_batches / config.accum_steps) * config.epochs
     if window[1] > steps:
+        epochs = f"{config.epochs} epoch{'s' * (config.epochs != 1)}"
         raise ConfigError(f"--profile {config.profile}: the run has {steps} optimizer steps "
-                          f"({config.epochs} epochs); the window must end by step {steps}")
+                          f"({epochs}); the window must end by step {steps}")
 
 
 def attach_profiler(config: RunConfig, trainer: Trainer, run_dir: Path,

@@ -44,3 +44,10 @@ def test_a_bad_window_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys,
                  f"--profile={window}"])
     one_error_line(code, capsys.readouterr().err, "--profile", named)
     assert not run_dir.exists()
+
+
+def test_a_window_past_a_one_epoch_run_names_its_length_in_words(tmp_path, capsys):
+    text, run_dir = write_text(tmp_path / "corpus.txt"), tmp_path / "run"
+    code = main([*CHARLM, "--text", str(text), "--run-dir", str(run_dir), "--epochs", "1",
+                 "--profile=1:100000"])
+    one_error_line(code, capsys.readouterr().err, "--profile", "optimizer steps (1 epoch);")
