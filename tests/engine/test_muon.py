@@ -155,3 +155,30 @@ def test_bad_settings_are_refused_naming_the_setting(group, options, message):
     bias = nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         Muon([{"params": [bias], **group}], **{"lr": 0.1, **options})
+
+
+@pytest.mark.parametrize("scale", [0.01, 10.0])
+def test_normalize_brings_a_weights_norm_back_to_the_root_of_its_rows_from_below_or_above(
+        scale):
+    weight = nn.Parameter(torch.full((4, 3), scale))
+    optimizer = Muon([{"params": [weight], "use_muon": True}], lr=0.0, momentum=0.0,
+                     nesterov=False)
+    weight.grad = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    optimizer.step()  # lr 0: the weight is only normalized
+    assert math.isclose(weight.norm().item(), 2.0, rel_tol=1e-6)  # sqrt(4 rows)
+
+
+def test_orthogonalize_first_scales_the_update_by_its_norm_plus_eps():
+    """No iteration: only the scaling that brings every singular value to at most 1, with
+    eps guarding a zero norm (1e-6 here, so eps shows in the result)."""
+    update = torch.zeros(2, 3)
+    update[0, 0] = 1e-6
+    assert torch.equal(orthogonalize(torch.zeros(2, 3), steps=0), torch.zeros(2, 3))
+    assert math.isclose(orthogonalize(update, steps=0)[0, 0].item(), 1e-6 / (1e-6 + 1e-7),
+                        rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_orthogonalize_returns_the_updates_dtype(dtype):
+    update = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert orthogonalize(update, steps=2).dtype == dtype

@@ -3,10 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from ignite.engine import Events
+from ignite.engine import Engine, Events
 from torch import nn
 
 from engine import Muon, NonFiniteGradientError, TrainEvents, create_trainer
+from engine.nonfinite import NonFiniteGuard, PendingStep
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 pytestmark = pytest.mark.usefixtures("gate")  # every test with both update gates
@@ -229,3 +230,28 @@ def test_a_skipped_step_never_advances_a_scheduler_on_the_step_clock(make_mlp, m
     # Iteration 3's step was skipped: iteration 4 runs with the same lr.
     assert lrs_used == pytest.approx([0.1, 0.1 / 2, 0.1 / 3, 0.1 / 3, 0.1 / 4, 0.1 / 5])
     assert trainer.state.optimizer_step == 5
+
+
+class NeverFinite:
+    """An update gate whose step was not finite and not vetoed."""
+
+    def finite(self) -> bool:
+        return False
+
+    def vetoed(self) -> bool:
+        return False
+
+
+def test_a_skip_whose_every_gradient_is_finite_names_the_overflowed_total_norm():
+    """Each parameter's gradient norm finite, their total not: no parameter to blame."""
+    first, second = torch.zeros(2), torch.zeros(3)
+    guard = NonFiniteGuard(NeverFinite(), {first: "a", second: "b"}, "raise", 3)
+    guard.pending = PendingStep(7, {}, torch.tensor([1.0, 2.0]), [first, second],
+                                [torch.tensor(0.5)])
+    engine = Engine(lambda engine, batch: None)
+    engine.state.skipped_steps = engine.state.consecutive_skips = 0
+    with pytest.raises(NonFiniteGradientError) as error:
+        guard.settle(engine)
+    assert str(error.value).startswith(
+        "first non-finite gradient in parameter '<none: every gradient is finite, their total "
+        "norm overflowed>' at iteration 7; 1 consecutive optimizer step(s) skipped")

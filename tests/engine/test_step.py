@@ -1,6 +1,7 @@
 """The process function against a hand-written loop, and its clock, output and host syncs."""
 
 import collections
+import types
 from contextlib import nullcontext
 
 import pytest
@@ -12,6 +13,7 @@ from torch.nn.utils import clip_grad_norm_, get_total_norm
 
 from engine import Muon, TrainEvents, create_trainer
 from engine.batch import move_to_device
+from engine.step import window_position
 
 AUTOCAST_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 def muon(model: nn.Sequential) -> Muon:
@@ -368,3 +370,17 @@ def test_train_mode_is_set_only_when_something_left_it(make_mlp, make_batches, m
     trainer.add_event_handler(Events.ITERATION_COMPLETED(once=2), lambda e: e.model.eval())
     trainer.run(make_batches(4))
     assert calls == [False, True]  # the eval() above, then one train() at iteration 3
+
+
+@pytest.mark.parametrize(("accum_steps", "expected"), [
+    (1, [(1, True)] * 7),
+    (3, [(3, False), (3, False), (3, True), (3, False), (3, False), (3, True), (1, True)]),
+])
+def test_window_position_gives_each_micro_batchs_window_length_and_whether_it_closes_it(
+        accum_steps, expected):
+    """Windows restart with every epoch (7 micro-batches here); the last one may be shorter."""
+    for epoch in (1, 2):
+        positions = [window_position(types.SimpleNamespace(iteration=(epoch - 1) * 7 + i,
+                                                           epoch_length=7), accum_steps)
+                     for i in range(1, 8)]
+        assert positions == expected

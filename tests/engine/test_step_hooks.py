@@ -73,6 +73,7 @@ def test_the_lr_scale_acts_inside_the_step_only(gate):
     (2, 1, [1, 2, 3, 6, 7, 8]),  # mid-epoch: the epoch ends at its last batch
     (1, 2, [1, 2, 5, 6, 7, 8]),  # rounded up to the start of a window
     (9, 1, [1, 2, 3]),  # to the end: the epoch ends now
+    (0, 1, [1, 2, 3, 4, 5, 6, 7, 8]),  # none: nothing dropped
 ])
 def test_skip_batches_drops_the_next_batches_of_the_epoch(count, accum_steps, expected):
     trainer = make_trainer(accum_steps=accum_steps)
@@ -83,10 +84,24 @@ def test_skip_batches_drops_the_next_batches_of_the_epoch(count, accum_steps, ex
     trainer.add_event_handler(Events.EPOCH_COMPLETED,
                               lambda e: completed.append(e.state.iteration))
     at = 2 if accum_steps == 2 else 3
+    returned = []
     trainer.add_event_handler(Events.GET_BATCH_STARTED(once=at),
-                              lambda e: e.skip_batches(count))
+                              lambda e: returned.append(e.skip_batches(count)))
     trainer.run(BATCHES, max_epochs=2)
+    assert returned == [8 - len(expected)]  # how many it dropped
     assert started[:len(expected)] == expected
     assert fed[:len(expected)] == [i - 1 for i in expected]  # batch i-1 at iteration i
     assert started[len(expected):] == list(range(9, 17))  # the next epoch is whole
     assert completed == [8, 16]
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.0, "2"])
+def test_skip_batches_refuses_a_count_that_is_not_an_int_of_at_least_0(bad):
+    with pytest.raises(ValueError, match="count must be an int >= 0"):
+        make_trainer().skip_batches(bad)
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, float("inf"), float("nan"), True, "0.5"])
+def test_the_lr_scale_must_be_a_finite_number_above_0(bad):
+    with pytest.raises(ValueError, match="lr_scale must be a finite number > 0"):
+        make_trainer().set_lr_scale(bad)

@@ -221,3 +221,20 @@ def test_handlers_added_while_their_event_fires_or_replaced_in_place_run_as_in_i
     assert ours == [("adder", 1), ("original", 1), ("added", 1), ("adder", 2),
                     ("original", 2), ("added", 2), ("adder", 3), ("replacement", 3),
                     ("added", 3)]
+
+
+def test_a_handler_without_the_engine_gets_the_events_arguments_then_its_own_as_in_ignite():
+    """A handler that takes no engine is called with the event's arguments (the exception of
+    ``EXCEPTION_RAISED``), then the ones it was added with, as Ignite calls it."""
+    def arguments_seen(engine: Engine) -> list:
+        seen = []
+        engine.add_event_handler(
+            Events.EXCEPTION_RAISED,
+            lambda error, label, *, where: seen.append((repr(error), label, where)),
+            "label", where="here")
+        engine.run(["boom"], max_epochs=1)
+        return seen
+
+    ours = arguments_seen(bare_trainer(echo))
+    assert ours == arguments_seen(Engine(echo))
+    assert ours == [("ValueError('boom')", "label", "here")]

@@ -4,6 +4,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -205,6 +206,113 @@ def test_a_save_at_the_iteration_just_saved_is_skipped(tmp_path):
     first = (tmp_path / "last.pt").stat().st_ino
     run.ckpt.save_last(run.trainer)
     assert (tmp_path / "last.pt").stat().st_ino == first
+
+
+def test_after_a_resume_a_save_at_the_resumed_iteration_is_skipped_for_last_and_best(tmp_path):
+    run = _save_every_step(_build(tmp_path, best=Goal("acc", "max")))
+    run.trainer.run(DATA[:3], max_epochs=1)
+    evaluator = Engine(lambda engine, batch: None)
+    evaluator.state.metrics = {"acc": 0.9}
+    run.ckpt.save_best(evaluator)
+    inodes = {name: (tmp_path / name).stat().st_ino for name in ("last.pt", "best.pt")}
+
+    resumed = _build(tmp_path, seed=5, best=Goal("acc", "max"))
+    resumed.ckpt.resume("auto")
+    resumed.ckpt.save_last(resumed.trainer)
+    evaluator.state.metrics = {"acc": 0.95}  # better, but the iteration was saved as best
+    resumed.ckpt.save_best(evaluator)
+    assert {name: (tmp_path / name).stat().st_ino for name in inodes} == inodes
+
+
+def test_the_checkpointers_state_dict_carries_the_iterations_it_saved_last_and_best(tmp_path):
+    run = _build(tmp_path, best=Goal("acc", "max"))
+    _move_trainer_to(run, 2)
+    run.ckpt.save_last(run.trainer)
+    _evaluate(run, 3, 0.5)  # a best save is also the newest save
+    state = run.ckpt.state_dict()
+    assert (state["last_iteration"], state["best_iteration"]) == (3, 3)
+
+
+def test_each_checkpoint_records_whether_it_was_saved_as_last_or_as_best_and_its_score(tmp_path):
+    run = _build(tmp_path, best=Goal("acc", "max"))
+    _move_trainer_to(run, 2)
+    run.ckpt.save_last(run.trainer)
+    _move_trainer_to(run, 3)
+    _evaluate(run, 3, 0.5)
+    metas = {name: read_checkpoint(tmp_path / name)["meta"]
+             for name in ("step-00000002.pt", "best-step-00000003.pt")}
+    assert {name: (meta["kind"], meta["metric"]) for name, meta in metas.items()} == {
+        "step-00000002.pt": ("last", None),
+        "best-step-00000003.pt": ("best", {"name": "acc", "value": 0.5})}
+
+
+class Interrupted(BaseException):
+    """Stops a save where a kill would, without being caught as an OSError."""
+
+
+class InterruptAt:
+    """Stands in for ``CrashPoints``: interrupts the save at ``phase``."""
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+
+    def save_started(self) -> None:
+        pass
+
+    def reach(self, phase: str) -> None:
+        if phase == self.phase:
+            raise Interrupted(phase)
+
+
+def test_a_resume_finishes_the_eviction_an_interrupted_save_left_halfway(tmp_path):
+    run = _build(tmp_path, keep_last=1)
+    state = run.trainer.state
+    state.epoch, state.epoch_length, state.max_epochs = 1, 10, 1
+    _move_trainer_to(run, 1)
+    run.ckpt.save_last(run.trainer)
+    run.ckpt._crash = InterruptAt("during_eviction")
+    _move_trainer_to(run, 2)
+    with pytest.raises(Interrupted):
+        run.ckpt.save_last(run.trainer)  # step 1's .pt deleted, its sidecar not yet
+    assert "step-00000001.pt.json" in _names(tmp_path)
+
+    _build(tmp_path, seed=5, keep_last=1).ckpt.resume("auto")
+    assert {name for name in _names(tmp_path) if name.startswith("step-")} == {
+        "step-00000002.pt", "step-00000002.pt.json"}
+
+
+def test_a_first_save_interrupted_before_its_sidecar_leaves_a_fresh_start(tmp_path):
+    run = _build(tmp_path)
+    _move_trainer_to(run, 1)
+    run.ckpt._crash = InterruptAt("before_sidecar")
+    with pytest.raises(Interrupted):
+        run.ckpt.save_last(run.trainer)
+    assert _names(tmp_path) == {"step-00000001.pt"}  # never committed
+    assert _build(tmp_path, seed=5).ckpt.resume() is None  # the default source is "auto"
+
+
+def test_a_checkpoint_from_another_folder_restores_the_run_but_not_its_retention(tmp_path):
+    run = _save_every_step(_build(tmp_path / "a", keep_last=2))
+    run.trainer.run(DATA[:3], max_epochs=1)
+
+    other = _build(tmp_path / "b", seed=5, keep_last=2)
+    info = other.ckpt.resume(tmp_path / "a" / "last.pt")
+    assert info.rejected == [] and other.trainer.state.iteration == 3
+    assert other.ckpt.state_dict()["history"] == []  # "a"'s files are not "b"'s to evict
+
+
+def test_a_checkpoint_entry_this_run_does_not_restore_is_named_in_a_warning(tmp_path, caplog):
+    run = _save_every_step(_build(tmp_path, with_rng=True))
+    run.trainer.run(DATA[:1], max_epochs=1)
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+        _build(tmp_path, seed=5, with_rng=False).ckpt.resume("auto")
+    assert "also holds ['rng'], which this run does not restore" in caplog.text
+
+
+def test_a_checkpointer_state_without_its_keys_is_refused_naming_them(tmp_path):
+    with pytest.raises(ValueError, match=r"checkpointer state is missing "
+                                         r"\['best', 'best_iteration', 'evict'"):
+        _build(tmp_path).ckpt.load_state_dict({"history": []})
 
 
 # Verification and fallback on resume
@@ -607,6 +715,21 @@ def test_attach_saves_on_the_cadence_at_each_epoch_end_and_at_each_evaluation(tm
         "best-step-00000004.pt", "best.pt"}
 
 
+def test_a_cadence_step_that_ends_an_epoch_is_saved_once_by_the_epochs_save(tmp_path):
+    calls = []
+
+    def recorded(save):
+        def record_then_save(engine):
+            calls.append(run.trainer.state.optimizer_step)
+            save(engine)
+        return record_then_save
+
+    run = _build(tmp_path, save_every=2, wrap_save=recorded)
+    run.ckpt.attach(run.trainer)
+    run.trainer.run(DATA, max_epochs=2)  # 4 steps an epoch: steps 4 and 8 end one
+    assert calls == [2, 4, 6, 8]
+
+
 def test_attach_without_an_evaluator_or_a_goal_saves_no_best(tmp_path):
     for options in ({"best": Goal("acc", "max")}, {}):
         run = _build(tmp_path / str(len(options)), **options)
@@ -621,3 +744,31 @@ def test_attach_to_another_trainer_is_refused(tmp_path):
     run, other = _build(tmp_path / "a"), _build(tmp_path / "b")
     with pytest.raises(ValueError, match="trainer in its to_save"):
         run.ckpt.attach(other.trainer)
+
+
+def test_without_readable_sidecars_last_pt_ranks_first_then_the_steps_then_best_pt(tmp_path):
+    """Only an order of what to verify first; a step-0 file (an epoch whose every step was
+    skipped) still ranks above best.pt."""
+    names = ["best.pt", "step-00000000.pt", "last.pt", "step-00000002.pt"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+        (tmp_path / f"{name}.json").write_text("not json")
+    ranked = sorted((tmp_path / name for name in names), key=checkpoint_files_module
+                    .claimed_position, reverse=True)
+    assert [path.name for path in ranked] == [
+        "last.pt", "step-00000002.pt", "step-00000000.pt", "best.pt"]
+
+
+def test_resume_tries_last_pt_then_history_before_best_at_the_same_step_then_best_pt(tmp_path):
+    run = _build(tmp_path, best=Goal("acc", "max"))
+    _move_trainer_to(run, 3)
+    run.ckpt.save_last(run.trainer)
+    _evaluate(run, 3, 0.5)  # best-step-00000003.pt, which last.pt and best.pt now link to
+    names = ["last.pt", "step-00000003.pt", "best-step-00000003.pt", "best.pt"]
+    for name in names:  # each its own bad file
+        (tmp_path / name).unlink()
+        (tmp_path / name).write_bytes(b"garbage")
+    with pytest.raises(CheckpointError) as error:
+        _build(tmp_path, seed=5, best=Goal("acc", "max")).ckpt.resume("auto")
+    tried = re.findall(r"([\w.-]+\.pt): ", str(error.value).partition("no usable checkpoint")[2])
+    assert tried == names

@@ -22,6 +22,7 @@ from torch import nn
 
 import handlers.checkpoint_files as checkpoint_files
 from engine import create_trainer
+from handlers.atomic_write import write_atomically
 from handlers.checkpoint import Checkpointer, read_checkpoint
 from handlers.goal import Goal
 
@@ -178,3 +179,59 @@ def test_a_crash_while_overwriting_the_name_last_points_at_leaves_last_verifying
     assert (info.path.name, info.meta["iteration"], info.rejected) == ("last.pt", 2, [])
     assert not [path for path in tmp_path.iterdir()
                 if checkpoint_files.TEMP_NAME.match(path.name)]  # the resume removed it
+
+
+class PhaseRecorder:
+    """Stands in for ``CrashPoints``: adds each crash phase a save reaches, and each save
+    start, to the recorded durability calls, so that a phase is seen where it sits."""
+
+    def __init__(self, calls: list[tuple[str, ...]]) -> None:
+        self.calls = calls
+
+    def save_started(self) -> None:
+        self.calls.append(("save_started",))
+
+    def reach(self, phase: str) -> None:
+        self.calls.append(("phase", phase))
+
+
+def test_each_crash_phase_of_a_save_is_reached_where_its_name_says(tmp_path, monkeypatch):
+    """The kill tests stop a save at a named phase; one reached elsewhere, or never, would
+    test another crash than the one they name."""
+    ckpt = _checkpointer(tmp_path, keep_last=1)
+    _move_trainer_to(ckpt, 1, 1)
+    ckpt.save_last(ckpt.trainer)
+
+    recorded = DurabilityCalls(monkeypatch, tmp_path)
+    ckpt._crash = PhaseRecorder(recorded.calls)
+    _move_trainer_to(ckpt, 2, 2)
+    ckpt.save_last(ckpt.trainer)
+
+    def phased_write(name: str) -> list[tuple[str, ...]]:
+        temp = f".{name}.tmp"
+        return [("phase", "before_temp"), ("phase", "mid_write"), ("fsync", temp),
+                ("phase", "before_rename"), ("replace", temp, name),
+                ("phase", "before_dir_fsync"), ("fsync", FOLDER)]
+
+    assert recorded.calls == [
+        ("save_started",),
+        *phased_write("step-00000002.pt"),
+        ("phase", "before_sidecar"),
+        *phased_write("step-00000002.pt.json"),
+        ("phase", "before_link"),
+        *_switch("last.pt", "step-00000002.pt"),
+        *_switch("last.pt.json", "step-00000002.pt.json"),
+        ("fsync", FOLDER),
+        ("unlink", "step-00000001.pt"),
+        ("phase", "during_eviction"),
+        ("unlink", "step-00000001.pt.json"),
+    ]
+
+
+def test_a_write_without_crash_points_replaces_the_file_whole_with_its_mode(tmp_path):
+    """config.json and summary.json are written with no fault injection at all."""
+    target = tmp_path / "config.json"
+    target.write_text("old")
+    write_atomically(target, lambda file: file.write(b"new"), file_mode=0o640)
+    assert target.read_text() == "new" and target.stat().st_mode & 0o777 == 0o640
+    assert os.listdir(tmp_path) == ["config.json"]

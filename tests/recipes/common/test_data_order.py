@@ -2,7 +2,7 @@ import pytest
 import torch
 from ignite.engine import Engine
 
-from recipes.common.data_order import IndexBatches, OrderedBatches, epoch_order
+from recipes.common.data_order import IndexBatches, OrderedBatches, epoch_order, mix_seed
 
 
 def test_epoch_order_is_a_permutation_fixed_by_seed_and_epoch():
@@ -85,3 +85,58 @@ def test_every_epoch_draws_a_new_shuffle_of_every_sample(bound):
     assert len(epochs) == 3
     assert all(sorted(order) == data for order in epochs)
     assert len({tuple(order) for order in epochs}) == 3
+
+
+def test_unbound_batches_count_their_epochs_from_one():
+    """Iterated alone, epoch after epoch, the batches are those of epochs 1, 2 and 3."""
+    batches = IndexBatches(list(range(12)), 4, seed=2)
+    for epoch in (1, 2, 3):
+        assert [b.tolist() for b in batches] == [
+            b.tolist() for b in batches.epoch_batches(epoch)]
+
+
+def test_ordered_batches_default_to_one_rank_with_every_sample_in_order():
+    batches = OrderedBatches(list(range(5)), 1)
+    assert [b.tolist() for b in batches] == [[0], [1], [2], [3], [4]]
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: OrderedBatches(list(range(5)), 0), "batch_size must be an int >= 1, got 0"),
+    (lambda: IndexBatches(list(range(5)), 0, seed=0), "batch_size must be an int >= 1, got 0"),
+    (lambda: IndexBatches(list(range(5)), 1, seed=-1), "seed must be an int >= 0, got -1"),
+    (lambda: IndexBatches(list(range(5)), 1, seed=0, world_size=0),
+     "world_size must be an int >= 1, got 0"),
+    (lambda: IndexBatches(list(range(5)), 2, seed=0, rank=True, world_size=2),
+     r"rank must be an int in \[0, 2\), got True"),
+])
+def test_each_bad_argument_is_refused_naming_it(make, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        make()
+
+
+def test_the_smallest_batch_and_one_batch_of_every_sample_are_allowed():
+    assert [b.tolist() for b in IndexBatches([5, 6, 7], 1, seed=0).epoch_batches(1)] == [
+        [5], [7], [6]]  # epoch 1's order of 3 samples is [0, 2, 1]
+    assert len(IndexBatches(list(range(4)), 4, seed=0)) == 1
+
+
+def test_the_order_of_a_seed_is_the_same_in_every_version():
+    """A run resumed by a newer version continues the same sample order: the seed mixing
+    (splitmix64 steps) and the permutation are pinned to their values."""
+    assert mix_seed(0) == 8147104208329303767
+    assert mix_seed(1, 2) == 6804074658870690613
+    assert mix_seed(7, 3, 5, 2) == 350261644976585302
+    assert epoch_order(10, seed=0, epoch=1).tolist() == [6, 8, 2, 4, 1, 7, 5, 3, 9, 0]
+    assert epoch_order(10, seed=3, epoch=2).tolist() == [6, 4, 9, 0, 2, 5, 7, 8, 3, 1]
+
+
+def test_each_samples_transform_is_seeded_by_seed_epoch_batch_and_place_in_the_batch():
+    seeds = []
+
+    def record(sample, generator):
+        seeds.append(generator.initial_seed())
+        return sample
+
+    batches = IndexBatches(list(range(8)), 4, seed=3, rank=1, world_size=2, transform=record)
+    list(batches.epoch_batches(2))
+    assert seeds == [mix_seed(3, 2, index, place) for index in (0, 1) for place in (2, 3)]

@@ -1,0 +1,101 @@
+"""``--resume`` as a request of one start, in-process and without a command: config.json
+never keeps it, a lost config.json comes back from the newest checkpoint that verifies, and
+a checkpoint of another run is refused in one line. (``test_resume.py`` drives the same
+promises through whole commands.)"""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine import create_trainer
+from handlers.checkpoint import Checkpointer
+from recipes.runner.config import ConfigError
+from recipes.runner.resume_request import (
+    check_resume_file,
+    saved_in_checkpoints,
+    stored_config,
+    without_requests,
+)
+
+
+@dataclasses.dataclass
+class Config:
+    lr: float = 0.1
+    resume: str = "auto"
+    epochs: int = 2
+
+
+def save_steps(folder: Path, run_id: str, config: dict, steps: int) -> Checkpointer:
+    """Checkpoints after optimizer steps 1..``steps`` of a tiny model, keeping all of them."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_trainer(model, optimizer, nn.MSELoss())
+    ckpt = Checkpointer(folder, {"model": model, "optimizer": optimizer, "trainer": trainer},
+                        run_id=run_id, config=config, keep_last=steps)
+    state = trainer.state
+    state.epoch, state.epoch_length, state.max_epochs = 1, 10, 1
+    for step in range(1, steps + 1):
+        state.iteration = state.optimizer_step = step
+        ckpt.save_last(trainer)
+    return ckpt
+
+
+def test_the_stored_config_keeps_every_key_but_the_resume_request():
+    assert stored_config(Config(lr=0.2, resume="never")) == {"lr": 0.2, "epochs": 2}
+
+
+def test_a_resume_request_an_older_config_json_stored_is_dropped_and_the_rest_kept():
+    saved = {"run_id": "r", "config": {"lr": 0.2, "resume": "last.pt"}, "data": {"n": 1}}
+    assert without_requests(saved) == {"run_id": "r", "config": {"lr": 0.2}, "data": {"n": 1}}
+    assert without_requests(None) is None
+    assert without_requests({"run_id": "r"}) == {"run_id": "r"}
+
+
+def test_a_lost_config_json_comes_from_the_newest_checkpoint_that_verifies(tmp_path, capsys):
+    config = {"lr": 0.2, "data": {"fingerprint": "abc"}}
+    save_steps(tmp_path, "run-a", config, steps=3)
+    (tmp_path / "step-00000003.pt").write_bytes(b"torn")  # last.pt is the same file
+
+    saved = saved_in_checkpoints(tmp_path)
+
+    assert saved == {"run_id": "run-a", "config": {"lr": 0.2},
+                     "data": {"fingerprint": "abc"}}
+    assert capsys.readouterr().out == (
+        f"config.json is missing: the run id and config come from "
+        f"{tmp_path / 'step-00000002.pt'}\n")
+
+
+def test_a_checkpoint_config_without_data_gives_no_data_key(tmp_path):
+    save_steps(tmp_path, "run-a", {"lr": 0.2}, steps=1)
+    assert saved_in_checkpoints(tmp_path) == {"run_id": "run-a", "config": {"lr": 0.2}}
+
+
+def test_no_checkpoint_folder_or_no_good_checkpoint_gives_none(tmp_path):
+    assert saved_in_checkpoints(tmp_path / "missing") is None
+    save_steps(tmp_path, "run-a", {"lr": 0.2}, steps=1)
+    (tmp_path / "step-00000001.pt").write_bytes(b"torn")
+    assert saved_in_checkpoints(tmp_path) is None
+
+
+def test_a_resume_file_of_another_run_is_refused_in_one_line_naming_the_rule(tmp_path):
+    save_steps(tmp_path, "run-a", {"lr": 0.2}, steps=1)
+    path = str(tmp_path / "step-00000001.pt")
+    check_resume_file(path, "run-a")  # its own run: accepted
+    with pytest.raises(ConfigError) as refused:
+        check_resume_file(path, "run-b")
+    message = str(refused.value)
+    assert message.startswith("--resume: ") and "run-b" in message and "\n" not in message
+    assert message.endswith("a checkpoint resumes only in its own run folder (its --run-name "
+                            "or --run-dir)")
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__
+
+
+@pytest.mark.parametrize("request_", ["auto", "never"])
+def test_the_auto_and_never_requests_are_not_files_to_verify(request_, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / request_).write_bytes(b"not a checkpoint")  # a file by that name is not read
+    check_resume_file(request_, "run-a")
