@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             ranks = measure(arm, width, options, port)
             above = [rank["peak"] - rank["base"] for rank in ranks]
             points.append((width, max(above)))
+            losses = ranks[0]["losses"]
             cells.append("/".join(f"{value:.0f}" for value in above)
-                         + f" (loss {ranks[0]['losses'][0]:.4f})")
+                         + f" (loss {losses[0]:.4f}, last {losses[-1]:.6f})")
             print(f"{arm} {width}: {cells[-1]}", file=sys.stderr, flush=True)
             if max(above) > options.cap_mb:
                 break

@@ -65,6 +65,8 @@ def runs(tmp_path_factory) -> Path:
     resumed_id = new_run_id()
     plan = [("charlm", charlm_keys | {"strategy": "ddp"}, "charlm-ddp"),
             ("charlm", charlm_keys | {"strategy": "fsdp"}, "charlm-fsdp"),
+            ("charlm", charlm_keys | {"strategy": "fsdp", "activation_checkpointing": True},
+             "charlm-fsdp-checkpointed"),
             ("charlm", charlm_keys | {"strategy": "fsdp", "epochs": 1}, "charlm-resumed"),
             ("charlm", charlm_keys | {"strategy": "fsdp"}, "charlm-resumed"),
             ("cifar", CIFAR | {"strategy": "ddp"}, "cifar-ddp"),
@@ -107,6 +109,15 @@ def test_an_fsdp_run_resumed_after_its_first_epoch_ends_as_an_uninterrupted_one(
         again = torch.utils._pytree.tree_flatten(resumed[key])[0]
         for a, b in zip(flat, again, strict=True):
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_activation_checkpointing_under_fsdp_trains_the_same_weights(runs):
+    """The blocks recomputed in the backward, each through its FSDP hooks again."""
+    plain, checkpointed = (_last(runs / f"charlm-{name}") for name in ("fsdp",
+                                                                       "fsdp-checkpointed"))
+    assert checkpointed["meta"]["optimizer_step"] == plain["meta"]["optimizer_step"] > 1
+    for name, tensor in plain["model"].items():
+        torch.testing.assert_close(checkpointed["model"][name], tensor, rtol=0, atol=1e-6)
 
 
 def test_one_process_under_fsdp_reaches_two_ddp_processes_weights(runs, tmp_path):
