@@ -185,8 +185,9 @@ class CostMeter:
     def summary(self, samples_per_sec: float | None) -> dict[str, object]:
         """``summary.json``'s cost fields at the run's average rate ``samples_per_sec``
         (all processes; None before any training): this process's peak memory now, the
-        others' at the last epoch's end."""
-        memory = list(self.latest.peak_memory) if self.latest else [0] * self.world_size
+        others' at the last epoch's end (None before the first epoch ended)."""
+        memory: list[int | None] = (list(self.latest.peak_memory) if self.latest
+                                    else [None] * self.world_size)
         memory[idist.get_rank() if self.world_size > 1 else 0] = peak_memory(self.device)[0]
         report = self.report(samples_per_sec or 0.0, memory)
         rated = samples_per_sec is not None
@@ -198,7 +199,7 @@ class CostMeter:
             "model_flops_per_sample": self.flops_per_sample,
             "mfu": round(report.mfu, 4) if rated and report.mfu is not None else None,
             "peak_flops_per_device": self.peak_flops,
-            "peak_memory_bytes": max(memory),
+            "peak_memory_bytes": max(size for size in memory if size is not None),
             "peak_memory_bytes_per_process": memory,
             "peak_memory_source": self.memory_source,
         }

@@ -137,6 +137,13 @@ def test_the_summary_has_the_run_rate_per_device_and_this_process_peak_now():
     assert meter.summary(None)["samples_per_sec_per_device"] is None
 
 
+def test_before_the_first_epoch_ends_the_other_processes_peaks_are_unknown():
+    meter = CostMeter(batch_size=4, world_size=2, device=torch.device("cpu"))
+    summary = meter.summary(None)
+    assert summary["peak_memory_bytes_per_process"][1] is None
+    assert summary["peak_memory_bytes"] == summary["peak_memory_bytes_per_process"][0] > 0
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"batch_size": 0}, "batch_size"),
     ({"world_size": 0}, "world_size"),
