@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint import CheckpointException, DefaultSavePlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -162,7 +162,11 @@ class ShardedFolder:
         sharded = {key: payload[key] for key in SHARDED_KEYS if key in payload}
         try:
             with _quiet_about_one_process():
-                dcp.save(sharded, storage_writer=dcp.FileSystemWriter(temp, sync_files=True))
+                # A tensor every process holds whole (a BatchNorm buffer, which FSDP does not
+                # shard and each process keeps its own of) is written from rank 0, as
+                # state.pt is; DCP would otherwise spread such writes over the processes.
+                dcp.save(sharded, storage_writer=dcp.FileSystemWriter(temp, sync_files=True),
+                         planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
         except CheckpointException as err:  # DCP gathers every process's failure into it
             raise OSError(_first_line(err)) from err
         if _rank() != 0:

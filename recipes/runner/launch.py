@@ -17,7 +17,6 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,23 +155,18 @@ class RankZeroSave:
     """Rank 0 saves; every rank learns whether the save worked and raises the same
     ``CheckpointError`` if not, so all stop together with exit code 4. (A rank that went on
     alone would wait forever in the next all-reduce for the rank that stopped.) Attach it
-    on every rank at the same events: under several processes it is a collective.
-    ``around()``, when given, is entered on every rank around each save (an FSDP run
-    gathers its sharded state there, ``recipes.runner.full_state``)."""
+    on every rank at the same events: under several processes it is a collective."""
 
-    def __init__(self, save: Callable[[Any], None],
-                 around: Callable[[], AbstractContextManager] | None = None) -> None:
+    def __init__(self, save: Callable[[Any], None]) -> None:
         self.save = self.__wrapped__ = save  # __wrapped__: how --describe names it
-        self.around = around or nullcontext
 
     def __call__(self, engine: Any) -> None:
         error = None
-        with self.around():
-            if idist.get_rank() == 0:
-                try:
-                    self.save(engine)
-                except CheckpointError as raised:
-                    error = raised
+        if idist.get_rank() == 0:
+            try:
+                self.save(engine)
+            except CheckpointError as raised:
+                error = raised
         if idist.get_world_size() > 1 and idist.all_reduce(int(error is not None)):
             error = error or CheckpointError("checkpoint", "rank 0 could not save it")
         if error is not None:

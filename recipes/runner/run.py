@@ -39,6 +39,7 @@ from handlers.lr_finder import find_lr, plot_lr_find
 from handlers.lr_scheduling import set_new_peak_lr
 from handlers.spike_guard import LossSpikeError
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
+from recipes.runner.checkpoint_strategy import refuse_other_format
 from recipes.runner.config import ConfigError, resume_overrides
 from recipes.runner.console import print_closing, print_header
 from recipes.runner.continue_run import choose_run, continue_command
@@ -49,7 +50,6 @@ from recipes.runner.environment import environment_record
 from recipes.runner.errors import USER_ERRORS
 from recipes.runner.fingerprint import describe_change
 from recipes.runner.folder import read_saved_config, resolve_run_dir, write_json_atomic
-from recipes.runner.full_state import FullState
 from recipes.runner.init_from import applies, load_init_weights, plan_init_from
 from recipes.runner.launch import (
     launched_by_torchrun,
@@ -164,6 +164,7 @@ def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | No
     overrides = resume_overrides(saved["config"], config, given) if saved else []
     check_tracker(config, run_dir)
     run_id = saved["run_id"] if saved else new_run_id()
+    refuse_other_format(config.strategy, run_dir, config.resume)
     check_resume_file(config.resume, run_id)
     launch = _launch(config)
     if launched_by_torchrun() and launch.backend != idist.backend():
@@ -314,11 +315,7 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started,
     extra = dict(parts.attach_extra(trainer, evaluator, plan) if parts.attach_extra else {})
     if hasattr(parts.train_batches, "state_dict"):  # a loader's position (workers, sampler)
         extra[TRAIN_DATA] = parts.train_batches
-    save_around = None
-    if is_sharded(train_model):  # checkpoints hold the whole model and optimizer state
-        full_state = FullState(parts.model, trainer.optimizer)
-        extra |= full_state.entries
-        save_around = full_state.gathered
+    if is_sharded(train_model):
         evaluate_unsharded(evaluator, train_model)
     if config.averaging != "none":
         replay = getattr(parts.train_batches, "epoch_batches", None)
@@ -329,8 +326,7 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started,
     site = RunSite(started.run_dir, started.run_id, recipe.metrics, recipe.best, plan,
                    rank=ctx.rank, model=parts.model,
                    checkpoint_meta={"data": started.fingerprint}, num_classes=parts.num_classes,
-                   cost=cost_meter(config, ctx, parts), sinks=sinks or {},
-                   save_around=save_around)
+                   cost=cost_meter(config, ctx, parts), sinks=sinks or {})
     evaluation = Evaluation(parts.val_batches, config.eval_every, config.epochs,
                             before=parts.before_evaluation, forwards=parts.evaluation_forwards)
     handlers = attach_standard_handlers(trainer, evaluator, config, site, evaluation, extra)

@@ -10,9 +10,7 @@ handlers sharing an event run; the reason for each position is next to it.
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -42,8 +40,8 @@ from handlers.tensorboard import TensorBoardSink
 from handlers.time_left import EvaluationSchedule
 from handlers.weight_averaging import WeightAveraging
 from recipes.runner.api import RunPlan
+from recipes.runner.checkpoint_strategy import checkpoint_format, save_wrapper
 from recipes.runner.config import ConfigError, group_values
-from recipes.runner.launch import RankZeroSave
 from recipes.runner.run_config import RunConfig
 
 
@@ -62,8 +60,6 @@ class RunSite:
     model: nn.Module | None = None
     checkpoint_meta: Mapping[str, Any] | None = None  # stored in every checkpoint
     num_classes: int | None = None  # for the start-up checks
-    # Entered on every rank around each save (an FSDP run gathers its sharded state there).
-    save_around: Callable[[], AbstractContextManager] | None = None
     progress_stream: TextIO | None = None
     cost: CostMeter | None = None  # throughput, MFU and peak memory per epoch
     # Scalar sinks besides TensorBoard's and metrics.jsonl (an experiment tracker's), by name.
@@ -217,12 +213,14 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
                             cost=site.cost)
         if spike_guard is not None:
             spike_guard.add_listener(lambda action: _log_spike_action(logger, action))
-    # RankZeroSave: rank 0 writes, every rank takes part, so a failed save stops them all.
+    # Every rank takes part in each save (rank 0 writes a .pt, or each rank its shards of a
+    # .dcp folder), so a failed save stops them all.
     checkpointer = Checkpointer(
         site.run_dir / "checkpoints", to_save, run_id=site.run_id,
         config={**dataclasses.asdict(config), **(site.checkpoint_meta or {})},
         keep_last=config.keep_last, best=goal, save_every=config.checkpoint_every,
-        wrap_save=partial(RankZeroSave, around=site.save_around))
+        wrap_save=save_wrapper(config.strategy),
+        checkpoint_format=checkpoint_format(config.strategy))
     stop = GracefulStop(checkpointer.last_handler)  # every rank gets the signal, all save
     in_order: list[Handler | None] = [
         StartupChecks(site.num_classes) if config.checks == "on" else None,

@@ -35,6 +35,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from tensorboard.util.tensor_util import make_ndarray
 
 from handlers.checkpoint import read_checkpoint
+from handlers.checkpoint_files import checkpoint_in
 
 RUN_RECIPE = Path(__file__).with_name("run_recipe.py")
 ITERATIONS_PER_EPOCH, EPOCHS = 8, 3  # 256 samples / batch 32; every iteration is a step
@@ -160,15 +161,17 @@ def run_recipe(case: RecipeCase, run_dir: Path, *extra: str,
 
 def run_and_signal(case: RecipeCase, run_dir: Path, signum: int, after_lines: int,
                    delay_sec: float = 0.0, *extra: str, faults: dict[str, str] | None = None,
-                   entry: tuple[str, ...] = (str(RUN_RECIPE),)) -> Result:
+                   entry: tuple[str, ...] = (str(RUN_RECIPE),), group: bool = False) -> Result:
     """Start the recipe, send ``signum`` ``delay_sec`` after its ``after_lines``-th progress
-    line, and wait for it; ``extra["exit_sec"]`` is the time from the signal to the exit."""
+    line, and wait for it; ``extra["exit_sec"]`` is the time from the signal to the exit.
+    ``group``: the signal goes to every process the command started (the ``--nproc``
+    spawner and its ranks, as when a job is killed), not to the first alone."""
     stderr_path = run_dir.parent / f"{run_dir.name}.stderr.txt"
     with open(stderr_path, "w") as stderr:
         child = subprocess.Popen(recipe_command(case, run_dir, *extra, entry=entry),
                                  env=child_env(faults),
                                  cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=stderr,
-                                 text=True)
+                                 text=True, start_new_session=group)
         lines, progress_lines = [], 0
         try:
             while progress_lines < after_lines:
@@ -179,7 +182,10 @@ def run_and_signal(case: RecipeCase, run_dir: Path, signum: int, after_lines: in
                 progress_lines += line.startswith("epoch ")
             time.sleep(delay_sec)
             signalled = time.monotonic()
-            child.send_signal(signum)
+            if group:
+                os.killpg(child.pid, signum)
+            else:
+                child.send_signal(signum)
             rest, _ = child.communicate(timeout=RUN_TIMEOUT_SEC)
         finally:
             if child.poll() is None:
@@ -216,8 +222,9 @@ def file_digests(folder: Path) -> dict[str, str]:
 
 
 def final_checkpoint(run_dir: Path) -> dict[str, Any]:
-    """``last.pt``, verified against its sidecar and loaded with weights_only=True."""
-    return read_checkpoint(run_dir / "checkpoints" / "last.pt")
+    """``last.pt`` (or a sharded run's ``last.dcp``, read whole), verified against its
+    sidecar and loaded with weights_only=True."""
+    return read_checkpoint(checkpoint_in(run_dir / "checkpoints", "last"))
 
 
 def differences(actual: Any, expected: Any, path: tuple = ()) -> list[str]:
@@ -390,6 +397,23 @@ def low_precision_job(request, tmp_path_factory) -> SimpleNamespace:
     return SimpleNamespace(precision=precision, reference=Reference.of(run_dir),
                            run_recipe=functools.partial(run_recipe, case),
                            run_and_signal=functools.partial(run_and_signal, case))
+
+
+@pytest.fixture(scope="session")
+def fsdp_job(tmp_path_factory) -> SimpleNamespace:
+    """The charlm job under ``--strategy fsdp`` on 2 gloo processes (``--nproc 2``), with its
+    own uninterrupted reference: its checkpoints are sharded ``.dcp`` folders, every process
+    writing its own shards. charlm is the cheapest recipe to start twice over."""
+    base = _charlm_case(tmp_path_factory.mktemp("charlm-fsdp-data"))
+    case = dataclasses.replace(base, args=(*base.args, "--strategy", "fsdp", "--nproc", "2"))
+    run_dir = tmp_path_factory.mktemp("reference-fsdp") / "run"
+    result = run_recipe(case, run_dir)
+    assert result.returncode == 0, result.stderr
+    print(f"fsdp reference run: {result.seconds:.1f} s")
+    reference = Reference.of(run_dir)
+    assert (run_dir / "checkpoints" / "last.dcp").is_symlink()
+    return SimpleNamespace(reference=reference, run_recipe=functools.partial(run_recipe, case),
+                           run_and_signal=functools.partial(run_and_signal, case, group=True))
 
 
 SIGNALS = {"SIGTERM": (signal.SIGTERM, 143), "SIGINT": (signal.SIGINT, 130)}

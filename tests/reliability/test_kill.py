@@ -153,3 +153,42 @@ def test_rerun_of_a_finished_run_trains_nothing_and_changes_no_checkpoint(refere
     assert harness.file_digests(run_dir / "checkpoints") == checkpoints
     reference.assert_matches(run_dir)
     reference.assert_same_metrics(run_dir)
+
+
+# --strategy fsdp: 2 processes writing sharded checkpoints (charlm; the whole group killed,
+# as a job is). The 5th save (step 12) is the crashed one, as above.
+FSDP_TRIALS = 1  # each row costs two 2-process runs (~30 s each on a loaded 2-core machine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(FSDP_TRIALS))
+def test_kill9_of_an_fsdp_group_at_a_random_moment_then_rerun_finishes_identically(
+        seed, fsdp_job, tmp_path):
+    moment = random.Random(100 + seed)
+    after_lines, delay_sec = moment.randint(1, 9), moment.uniform(0.0, 0.4)
+    run_dir = tmp_path / "run"
+    killed = fsdp_job.run_and_signal(run_dir, signal.SIGKILL, after_lines, delay_sec)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert killed.extra["progress_lines"] == after_lines
+
+    resumed = fsdp_job.run_recipe(run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    fsdp_job.reference.assert_matches(run_dir)
+
+
+@pytest.mark.slow
+def test_crash_inside_a_sharded_save_then_rerun_finishes_identically(fsdp_job, tmp_path):
+    """Rank 0 dies once every process has written its shards of step 12, before state.pt:
+    the temp folder is not a checkpoint, the resume takes step 9 and removes it."""
+    run_dir = tmp_path / "run"
+    crashed = fsdp_job.run_recipe(
+        run_dir, faults={"CKPT_TEST_CRASH_PHASE": f"mid_write:{CRASHED_SAVE}"})
+    assert crashed.returncode == 137, crashed.stderr
+    folder = run_dir / "checkpoints"
+    assert json.loads((folder / "last.dcp.json").read_text())["optimizer_step"] == 9
+    assert [path.name for path in folder.iterdir() if path.name.startswith(".step-00000012")]
+
+    resumed = fsdp_job.run_recipe(run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "iteration 9, step 9)" in resumed.stdout
+    fsdp_job.reference.assert_matches(run_dir)

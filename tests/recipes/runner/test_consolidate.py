@@ -1,20 +1,19 @@
 """A run whose checkpoints are sharded ``.dcp`` folders: ``consolidate`` turns one into the
 single .pt file a one-process run would have saved (verified, loadable into the plain model),
-and ``evaluate`` and ``export`` read the folders directly."""
+and ``evaluate``, ``export`` and ``--init-from`` read the folders directly."""
 
 import contextlib
-import functools
 import io
 import json
 import shutil
 from pathlib import Path
 
+import ignite.distributed as idist
 import pytest
 import torch
+import torch.distributed as dist
 
-import recipes.runner.standard_handlers as standard_handlers
 from handlers.checkpoint_files import read_checkpoint
-from handlers.sharded_checkpoint import ShardedFolder
 from recipes.__main__ import main
 from recipes.runner.registry import load_recipe
 from recipes.runner.trained import load_trained
@@ -22,20 +21,26 @@ from tests.recipes.runner.test_commands import CHARLM, digests, evaluated, recor
 from tests.recipes.runner.test_run import one_error_line
 
 
+def leave_the_group() -> None:
+    """End the one-rank group a one-process fsdp run leaves in this process (and
+    ``ignite.distributed``'s hold on it), so that what runs next runs without one."""
+    if dist.is_initialized():
+        idist.sync()
+        idist.finalize()
+
+
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory) -> Path:
-    """A tiny charlm run on one process that saved ShardedFolder checkpoints (as a
-    ``--strategy fsdp`` run does, with one process writing every shard)."""
+    """A tiny charlm run under ``--strategy fsdp`` on one process (a one-rank group, which
+    writes every shard of its ``.dcp`` checkpoints)."""
     folder = tmp_path_factory.mktemp("sharded")
     words = ["def", "return", "self", "value", "import", "class", "for", "in", "if"]
     picks = torch.randint(len(words), (800,), generator=torch.Generator().manual_seed(0))
     (folder / "text.txt").write_text(" ".join(words[i] for i in picks.tolist()))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(standard_handlers, "Checkpointer", functools.partial(
-            standard_handlers.Checkpointer, checkpoint_format=ShardedFolder()))
-        with contextlib.redirect_stdout(io.StringIO()) as printed:
-            assert main([*CHARLM, "--text", str(folder / "text.txt"),
-                         "--run-dir", str(folder / "run")]) == 0
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert main([*CHARLM, "--text", str(folder / "text.txt"), "--strategy", "fsdp",
+                     "--run-dir", str(folder / "run")]) == 0
+    leave_the_group()
     (folder / "train.out").write_text(printed.getvalue())
     checkpoints = folder / "run" / "checkpoints"
     assert (checkpoints / "best.dcp").is_dir() and not list(checkpoints.glob("*.pt"))

@@ -5,8 +5,9 @@ start than a tiny run): charlm and the airbench CIFAR net under each strategy wi
 accumulation and a clip that bites, and an FSDP charlm run stopped after its first epoch
 and resumed. FSDP keeps a 1/2 slice of each parameter per rank and reduce-scatters where
 DDP all-reduces, so the weights agree to float rounding, not bit for bit; a resumed FSDP
-run is bit-identical to an uninterrupted one. Checkpoints hold the whole model and
-optimizer state in the single-file format of a DDP run.
+run is bit-identical to an uninterrupted one. An FSDP run's checkpoints are sharded
+``.dcp`` folders, compared here read whole (``read_checkpoint``), as a DDP run's ``.pt`` holds
+them.
 """
 
 import dataclasses
@@ -19,6 +20,7 @@ import torch
 
 from engine import new_run_id
 from handlers import read_checkpoint
+from handlers.checkpoint_files import checkpoint_in
 from recipes.__main__ import main
 from recipes.charlm import recipe as charlm
 from recipes.cifar import recipe as cifar
@@ -79,7 +81,7 @@ def runs(tmp_path_factory) -> Path:
 
 
 def _last(run: Path) -> dict:
-    return read_checkpoint(run / "checkpoints" / "last.pt")
+    return read_checkpoint(checkpoint_in(run / "checkpoints", "last"))
 
 
 @pytest.mark.parametrize("recipe", ["charlm", "cifar"])
@@ -102,6 +104,7 @@ def test_fsdp_reaches_ddps_weights_and_optimizer_state(runs, recipe):
 
 
 def test_an_fsdp_run_resumed_after_its_first_epoch_ends_as_an_uninterrupted_one(runs):
+    assert (runs / "charlm-resumed" / "checkpoints" / "last.dcp").is_symlink()
     straight, resumed = _last(runs / "charlm-fsdp"), _last(runs / "charlm-resumed")
     assert resumed["meta"]["optimizer_step"] == straight["meta"]["optimizer_step"]
     for key in ("model", "optimizer"):
