@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from engine import resolve_precision
 from handlers.checkpoint_files import checkpoint_in
@@ -41,7 +42,9 @@ def header(recipe_name: str, config: RunConfig, run_dir: Path, samples: tuple[in
                            for key in DATA_KEYS
                            if hasattr(config, key))
     parameters = sum(parameter.numel() for parameter in model.parameters())
-    name = getattr(config, "model", type(model).__name__)
+    # fully_shard swaps a model's class for an FSDP<Name> subclass: name the recipe's own.
+    own_class = next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+    name = getattr(config, "model", own_class.__name__)
     precision = resolve_precision(config.precision, config.device)
     device = str(precision.device)
     if precision.device.type == "cuda":
