@@ -77,7 +77,7 @@ def test_a_resume_file_into_a_new_run_name_is_refused_before_the_data_and_leaves
     def no_data(*args, **kwargs):
         raise AssertionError("the data were loaded before the resume file was checked")
 
-    monkeypatch.setattr("recipes.charlm.recipe.read_text", no_data)
+    monkeypatch.setattr("recipes.charlm.recipe.split_text", no_data)
     code = main([*CHARLM, "--text", str(tmp_path / "corpus.txt"), "--run-dir",
                  str(tmp_path / "new"), "--resume", str(last)])
     one_error_line(code, capsys.readouterr().err, str(last), "from another run")
