@@ -17,9 +17,11 @@ TOP_OPERATORS = 10  # lines of the table printed when the window ends
 class StepProfiler:
     """Profiles optimizer steps ``start + 1`` to ``stop`` (``start:stop`` counts steps as
     a slice does: ``0:10`` is the run's first ten) with ``torch.profiler``: CPU activity,
-    and CUDA's when ``cuda``. When the window ends it writes ``trace_path`` (Chrome's trace
-    format, gzipped when the name ends in ``.gz``; Perfetto and ``chrome://tracing`` open
-    it) and prints the ``top`` operators by self time (the device's with ``cuda``).
+    and CUDA's when ``cuda``. When the window ends it writes
+    ``trace_dir/trace-steps-FIRST-LAST.json.gz`` (Chrome's trace format, gzipped; Perfetto and
+    ``chrome://tracing`` open it), named by the steps it holds so that a run interrupted inside
+    the window and resumed keeps both parts, and prints the ``top`` operators by self time (the
+    device's with ``cuda``). ``trace_path`` is that file once written, else None.
 
     ``attach(trainer, evaluator=None)`` registers on the trainer:
     - ``Events.STARTED`` and ``TrainEvents.OPTIMIZER_STEP``: the window opens once
@@ -34,12 +36,13 @@ class StepProfiler:
     evaluation that falls inside. A run that ends by an error writes no trace.
     """
 
-    def __init__(self, start: int, stop: int, trace_path: str | Path, *, cuda: bool = False,
+    def __init__(self, start: int, stop: int, trace_dir: str | Path, *, cuda: bool = False,
                  top: int = TOP_OPERATORS, stream: TextIO | None = None) -> None:
         check_int("start", start, 0, "optimizer steps")
         check_int("stop", stop, start + 1, "optimizer steps")
         check_int("top", top, 1, "operators")
-        self.start, self.stop, self.trace_path = start, stop, Path(trace_path)
+        self.start, self.stop, self.trace_dir = start, stop, Path(trace_dir)
+        self.trace_path: Path | None = None
         self.cuda, self.top, self.stream = cuda, top, stream
         self._profiler: profile | None = None
         self._first_step = 0
@@ -75,9 +78,10 @@ class StepProfiler:
         profiler.stop()
         for event in (Events.STARTED, TrainEvents.OPTIMIZER_STEP):  # nothing left to do
             trainer.remove_event_handler(self._on_step, event)
-        self.trace_path.parent.mkdir(parents=True, exist_ok=True)
-        profiler.export_chrome_trace(str(self.trace_path))
         last = trainer.state.optimizer_step
+        self.trace_path = self.trace_dir / f"trace-steps-{self._first_step}-{last}.json.gz"
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(self.trace_path))
         for line in self.summary(profiler, self._first_step, last):
             tqdm.write(line, file=self.stream or sys.stdout)  # above an open progress bar
 

@@ -11,7 +11,7 @@ from handlers.profiler import StepProfiler
 from recipes.runner.config import ConfigError
 from recipes.runner.run_config import RunConfig, profile_window
 
-TRACE = Path("profile") / "trace.json.gz"  # in the run folder
+TRACES = "profile"  # in the run folder: trace-steps-FIRST-LAST.json.gz
 
 
 def check_profile_window(config: RunConfig, train_samples: int) -> None:
@@ -37,6 +37,6 @@ def attach_profiler(config: RunConfig, trainer: Trainer, run_dir: Path,
     window = profile_window(config.profile)
     if window is None:
         return None
-    profiler = StepProfiler(*window, run_dir / TRACE, cuda=device.type == "cuda")
+    profiler = StepProfiler(*window, run_dir / TRACES, cuda=device.type == "cuda")
     profiler.attach(trainer)
     return profiler

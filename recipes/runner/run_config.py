@@ -117,8 +117,8 @@ class RunConfig:
                              fixed_on_resume=True)
     progress: str = run_key("auto", "progress display", choices=PROGRESS)
     profile: str = run_key("", "torch.profiler over optimizer steps START:STOP (e.g. 10:20: "
-                           "steps 11 to 20): profile/trace.json.gz in the run folder and the "
-                           "top operators printed (empty: off)", check=_check_profile)
+                           "steps 11 to 20): profile/trace-steps-11-20.json.gz in the run folder "
+                           "and the top operators printed (empty: off)", check=_check_profile)
     run_name: str = run_key("", "run folder runs/<recipe>/<run_name> (default: a timestamp)",
                             check=check_run_name)
     run_dir: str = run_key("", "any run folder (overrides run_name)")

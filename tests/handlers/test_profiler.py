@@ -34,7 +34,7 @@ def scripted_trainer(resume_at: int = 0) -> Engine:
 def profiled(tmp_path, start: int, stop: int, steps: int, resume_at: int = 0):
     """(the steps marked in the trace, the printed lines, the handler, the trainer)."""
     trainer, stream = scripted_trainer(resume_at), io.StringIO()
-    profiler = StepProfiler(start, stop, tmp_path / "profile" / "trace.json.gz", stream=stream)
+    profiler = StepProfiler(start, stop, tmp_path / "profile", stream=stream)
     profiler.attach(trainer)
     trainer.run(range(steps - resume_at), max_epochs=1)
     trace = json.loads(gzip.decompress(profiler.trace_path.read_bytes()))
@@ -46,7 +46,9 @@ def profiled(tmp_path, start: int, stop: int, steps: int, resume_at: int = 0):
 def test_the_trace_holds_the_window_steps_and_the_top_operators_are_printed_once(tmp_path):
     marked, lines, profiler, trainer = profiled(tmp_path, start=2, stop=5, steps=8)
     assert marked == [3, 4, 5]
-    assert lines[0].startswith("profile: optimizer steps 3-5 in ")
+    trace = tmp_path / "profile" / "trace-steps-3-5.json.gz"
+    assert profiler.trace_path == trace
+    assert lines[0].startswith(f"profile: optimizer steps 3-5 in {trace} ")
     shown = len(lines) - 1  # at most 10, as many as the steps ran
     assert 0 < shown <= 10 and f"top {shown} operators by self CPU time" in lines[0]
     assert any(line.endswith("aten::mm") for line in lines[1:])
@@ -72,24 +74,33 @@ def test_a_run_resumed_inside_the_window_profiles_the_rest_of_it(tmp_path):
     assert marked == [5, 6]
 
 
+def test_a_run_interrupted_inside_the_window_and_resumed_keeps_both_parts(tmp_path):
+    first, _, _, _ = profiled(tmp_path, start=2, stop=6, steps=4)
+    rest, _, _, _ = profiled(tmp_path, start=2, stop=6, steps=8, resume_at=4)
+    assert (first, rest) == ([3, 4], [5, 6])
+    assert sorted(path.name for path in (tmp_path / "profile").iterdir()) == [
+        "trace-steps-3-4.json.gz", "trace-steps-5-6.json.gz"]
+
+
 def test_a_run_resumed_past_the_window_profiles_nothing(tmp_path):
     trainer = scripted_trainer(resume_at=6)
-    profiler = StepProfiler(2, 5, tmp_path / "trace.json.gz", stream=io.StringIO())
+    profiler = StepProfiler(2, 5, tmp_path, stream=io.StringIO())
     profiler.attach(trainer)
     trainer.run(range(2), max_epochs=1)
-    assert not profiler.trace_path.exists() and not profiler.done
+    assert profiler.trace_path is None and not profiler.done
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(("start", "stop", "named"), [(-1, 5, "start"), (5, 5, "stop"),
                                                      (5, 3, "stop"), (0.5, 3, "start")])
 def test_bad_windows_are_refused(tmp_path, start, stop, named):
     with pytest.raises(ValueError, match=f"^{named} must be an int"):
-        StepProfiler(start, stop, tmp_path / "trace.json.gz")
+        StepProfiler(start, stop, tmp_path)
 
 
 def test_each_window_step_is_marked_profiler_step_n_around_its_work(tmp_path):
     trainer = scripted_trainer()
-    profiler = StepProfiler(2, 5, tmp_path / "trace.json.gz", stream=io.StringIO())
+    profiler = StepProfiler(2, 5, tmp_path, stream=io.StringIO())
     profiler.attach(trainer)
     trainer.run(range(8), max_epochs=1)
     events = json.loads(gzip.decompress(profiler.trace_path.read_bytes()))["traceEvents"]
@@ -113,7 +124,7 @@ def test_the_printed_table_lists_operators_not_the_step_markers(tmp_path):
     trainer.register_events(*TrainEvents)
     trainer.add_event_handler(Events.STARTED,
                               lambda engine: setattr(engine.state, "optimizer_step", 0))
-    StepProfiler(0, 3, tmp_path / "trace.json.gz", stream=stream).attach(trainer)
+    StepProfiler(0, 3, tmp_path, stream=stream).attach(trainer)
     trainer.run(range(4), max_epochs=1)
     table = stream.getvalue().splitlines()[1:]
     assert any(line.endswith("aten::mm") for line in table)

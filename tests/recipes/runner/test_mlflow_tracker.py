@@ -230,4 +230,4 @@ def test_under_two_processes_rank_zero_alone_logs_to_mlflow_and_profiles(tmp_pat
     headings = [line for line in result.stdout.splitlines() if line.startswith("profile: ")]
     assert len(headings) == 1 and "optimizer steps 1-2" in headings[0]
     assert list((tmp_path / "runs" / "cifar" / "r" / "profile").iterdir()) == [
-        tmp_path / "runs" / "cifar" / "r" / "profile" / "trace.json.gz"]
+        tmp_path / "runs" / "cifar" / "r" / "profile" / "trace-steps-1-2.json.gz"]

@@ -14,12 +14,14 @@ def test_a_profiled_run_writes_a_chrome_trace_and_prints_the_top_operators(tmp_p
     text, run_dir = write_text(tmp_path / "corpus.txt"), tmp_path / "run"
     assert main([*CHARLM, "--text", str(text), "--run-dir", str(run_dir), "--epochs", "1",
                  "--profile", "1:3"]) == 0
-    trace = json.loads(gzip.decompress((run_dir / "profile" / "trace.json.gz").read_bytes()))
+    trace_file = run_dir / "profile" / "trace-steps-2-3.json.gz"
+    trace = json.loads(gzip.decompress(trace_file.read_bytes()))
     names = {event.get("name") for event in trace["traceEvents"]}
     assert "aten::mm" in names
     out = capsys.readouterr().out.splitlines()
     headings = [line for line in out if line.startswith("profile: ")]
-    assert len(headings) == 1 and headings[0].startswith("profile: optimizer steps 2-3 in ")
+    assert len(headings) == 1 and headings[0].startswith(
+        f"profile: optimizer steps 2-3 in {trace_file} ")
     table = out[out.index(headings[0]) + 1:][:10]
     assert all(" ms " in line and " calls  " in line for line in table)
 
