@@ -73,6 +73,7 @@ def test_the_lr_scale_acts_inside_the_step_only(gate):
     (2, 1, [1, 2, 3, 6, 7, 8]),  # mid-epoch: the epoch ends at its last batch
     (1, 2, [1, 2, 5, 6, 7, 8]),  # rounded up to the start of a window
     (9, 1, [1, 2, 3]),  # to the end: the epoch ends now
+    (1, 1, [1, 2, 3, 5, 6, 7, 8]),  # one
     (0, 1, [1, 2, 3, 4, 5, 6, 7, 8]),  # none: nothing dropped
 ])
 def test_skip_batches_drops_the_next_batches_of_the_epoch(count, accum_steps, expected):

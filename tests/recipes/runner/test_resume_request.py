@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from ignite.engine import Engine
 from torch import nn
 
 from engine import create_trainer
 from handlers.checkpoint import Checkpointer
+from handlers.goal import Goal
 from recipes.runner.config import ConfigError
 from recipes.runner.resume_request import (
     check_resume_file,
@@ -67,6 +69,33 @@ def test_a_lost_config_json_comes_from_the_newest_checkpoint_that_verifies(tmp_p
     assert capsys.readouterr().out == (
         f"config.json is missing: the run id and config come from "
         f"{tmp_path / 'step-00000002.pt'}\n")
+
+
+def test_a_lost_config_json_comes_from_last_pt_when_its_step_file_is_gone(tmp_path, capsys):
+    """last.pt (the newest step) is tried before the older step file it does not share."""
+    save_steps(tmp_path, "run-a", {"lr": 0.2}, steps=2)
+    for name in ("step-00000002.pt", "step-00000002.pt.json"):
+        (tmp_path / name).unlink()
+    assert saved_in_checkpoints(tmp_path)["run_id"] == "run-a"
+    assert capsys.readouterr().out.endswith(f"come from {tmp_path / 'last.pt'}\n")
+
+
+def test_a_lost_config_json_comes_from_best_pt_when_it_is_all_that_is_left(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_trainer(model, optimizer, nn.MSELoss())
+    ckpt = Checkpointer(tmp_path, {"model": model, "optimizer": optimizer, "trainer": trainer},
+                        run_id="run-a", config={"lr": 0.2}, best=Goal("acc", "max"))
+    trainer.state.iteration = trainer.state.optimizer_step = 1
+    evaluator = Engine(lambda engine, batch: None)
+    evaluator.state.metrics = {"acc": 0.5}
+    ckpt.save_best(evaluator)
+    for name in ("best-step-00000001.pt", "last.pt"):
+        for path in (tmp_path / name, tmp_path / f"{name}.json"):
+            path.unlink()
+    assert saved_in_checkpoints(tmp_path) == {"run_id": "run-a", "config": {"lr": 0.2}}
+    assert capsys.readouterr().out.endswith(f"come from {tmp_path / 'best.pt'}\n")
 
 
 def test_a_checkpoint_config_without_data_gives_no_data_key(tmp_path):
