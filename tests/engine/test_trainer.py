@@ -193,3 +193,12 @@ def test_bf16_evaluator_produces_float_metrics(make_mlp, make_batches):
 def test_evaluator_rejects_bad_arguments(kwargs, message, make_mlp):
     with pytest.raises(ValueError, match=message):
         create_evaluator(make_mlp(), {"accuracy": Accuracy()}, **kwargs)
+
+
+def test_a_second_run_from_scratch_restarts_the_step_counters(make_mlp, make_batches):
+    """Ignite restarts a finished run from iteration 0; the optimizer-step counters follow."""
+    model = make_mlp()
+    trainer = create_trainer(model, sgd(model), F.cross_entropy)
+    trainer.run(make_batches(3), max_epochs=1)
+    trainer.run(make_batches(3), max_epochs=1)
+    assert (trainer.state.iteration, trainer.state.optimizer_step) == (3, 3)
