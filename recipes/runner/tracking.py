@@ -28,6 +28,10 @@ def tracker_sinks(tracker: Tracker | None) -> dict[str, Any]:
 
 
 def close_tracker(tracker: Tracker | None, status: str, run_dir: Path) -> None:
-    """The best checkpoint and the curves as artifacts, and the run's end status."""
+    """The best checkpoint and the curves as artifacts, and the run's end status; then the
+    tracker's closing line under the run's (where its run went, how to browse it)."""
     if tracker is not None:
         tracker.finish(status, {name: run_dir / name for name in ARTIFACTS})
+        line = tracker.closing_line()
+        if line:
+            print(line, flush=True)

@@ -11,9 +11,10 @@ A tracker module has two functions:
   tracker that cannot be reached costs one warning line and gives None: the run goes on.
 
 A ``Tracker`` has ``sink``, a scalar sink (``handlers.scalar_sink``) that gets every scalar
-TensorBoard gets, and ``finish(status, artifacts)``, called once the run has written its
-summary and curves. This package imports no torch and no tracker package: the table is read
-while the command line is checked.
+TensorBoard gets, ``finish(status, artifacts)``, called once the run has written its
+summary and curves, and ``closing_line()``, the line printed after it: where the tracker's run
+went and how to browse it (None: nothing to say). This package imports no torch and no tracker
+package: the table is read while the command line is checked.
 """
 
 import importlib
@@ -41,6 +42,8 @@ class Tracker(Protocol):
     sink: Any  # a ScalarSink
 
     def finish(self, status: str, artifacts: Mapping[str, Path]) -> None: ...
+
+    def closing_line(self) -> str | None: ...
 
 
 def _module(name: str) -> Any:

@@ -26,6 +26,7 @@ scalars arrive as numbers through the scalar sink and go out in one ``log_batch`
 import importlib.util
 import json
 import os
+import shlex
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -234,6 +235,24 @@ class MlflowTracker:
             self.client.set_terminated(self.run_id, status=end)
         except Exception as error:  # noqa: BLE001 - the run's own files are written already
             self.sink.fail(error)
+
+    def closing_line(self) -> str | None:
+        """Where the MLflow run went and how to browse it; None when logging failed (a
+        warning said so)."""
+        if self.sink.failed:
+            return None
+        uri = self.client.tracking_uri
+        scheme = urlparse(uri).scheme
+        line = f"  mlflow   run {self.run_id} in {uri}"
+        if scheme == "file":  # mlflow ui refuses the file store without the variable
+            store = shlex.quote(str(_local_path(uri)))
+            return (f"{line} (browse: MLFLOW_ALLOW_FILE_STORE=true mlflow ui "
+                    f"--backend-store-uri {store})")
+        if scheme == "sqlite":
+            return f"{line} (browse: mlflow ui --backend-store-uri {shlex.quote(uri)})"
+        if scheme in ("http", "https"):
+            return f"{line} (browse: {uri})"
+        return line
 
 
 def _one_line(error: Exception) -> str:

@@ -66,7 +66,8 @@ def scalar_steps(run_dir, tag):
 
 
 @needs_mlflow
-def test_the_mlflow_run_holds_the_config_tags_scalars_and_artifacts(tmp_path, monkeypatch):
+def test_the_mlflow_run_holds_the_config_tags_scalars_and_artifacts(tmp_path, monkeypatch,
+                                                                    capsys):
     from recipes.runner.trackers.mlflow import metric_key
 
     monkeypatch.chdir(tmp_path)  # the default store: mlruns/ beside runs/
@@ -87,6 +88,28 @@ def test_the_mlflow_run_holds_the_config_tags_scalars_and_artifacts(tmp_path, mo
         "checkpoints/best.pt"]
     state = json.loads((tmp_path / "run" / "mlflow.json").read_text())
     assert state == {"run_id": run.info.run_id, "tracking_uri": (tmp_path / "mlruns").as_uri()}
+    # The run's last line says where the MLflow run went and how to browse it.
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"  mlflow   run {run.info.run_id} in {(tmp_path / 'mlruns').as_uri()} (browse: "
+        f"MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {tmp_path / 'mlruns'})")
+
+
+@needs_mlflow
+@pytest.mark.parametrize(("uri", "browse"), [
+    ("http://mlflow.example:5000", " (browse: http://mlflow.example:5000)"),
+    ("sqlite:///runs/mlflow.db", " (browse: mlflow ui --backend-store-uri sqlite:///runs/mlflow.db)"),
+    ("databricks", ""),
+])
+def test_the_closing_line_names_the_store_and_how_to_browse_it(uri, browse):
+    from recipes.runner.trackers.mlflow import MlflowTracker
+
+    class Client:
+        tracking_uri = uri
+
+    tracker = MlflowTracker(Client(), "abc123")
+    assert tracker.closing_line() == f"  mlflow   run abc123 in {uri}{browse}"
+    tracker.sink.failed = True  # the warning said so: no line
+    assert tracker.closing_line() is None
 
 
 @needs_mlflow
@@ -126,9 +149,10 @@ def test_a_run_killed_mid_way_continues_its_mlflow_run_each_step_once(tmp_path):
 @needs_mlflow
 def test_an_unreachable_server_costs_one_warning_line_and_the_run_goes_on(tmp_path, capsys):
     assert train(tmp_path, "--epochs", "1", "--tracker-uri", "http://127.0.0.1:9") == 0
-    warnings = [line for line in capsys.readouterr().err.splitlines()
-                if line.startswith("warning: MLflow")]
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning: MLflow")]
     assert len(warnings) == 1 and "http://127.0.0.1:9" in warnings[0]
+    assert "  mlflow   run" not in captured.out
     assert (tmp_path / "run" / "summary.json").exists()
     assert not (tmp_path / "run" / "mlflow.json").exists()
 
@@ -229,5 +253,6 @@ def test_under_two_processes_rank_zero_alone_logs_to_mlflow_and_profiles(tmp_pat
                                                                        "val/accuracy")
     headings = [line for line in result.stdout.splitlines() if line.startswith("profile: ")]
     assert len(headings) == 1 and "optimizer steps 1-2" in headings[0]
+    assert sum(line.startswith("  mlflow   run ") for line in result.stdout.splitlines()) == 1
     assert list((tmp_path / "runs" / "cifar" / "r" / "profile").iterdir()) == [
         tmp_path / "runs" / "cifar" / "r" / "profile" / "trace-steps-1-2.json.gz"]
