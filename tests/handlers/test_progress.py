@@ -170,7 +170,7 @@ def test_with_a_cost_meter_each_evaluation_line_shows_the_epochs_cost(capsys):
     assert len(lines) == EPOCHS
     for line in lines:
         assert re.search(r" \| best accuracy \S+ \(epoch \d\) \| per device: \S+ samples/s, "
-                         r"MFU n/a, peak mem \d+ MB \| elapsed ", line), line
+                         r"MFU n/a, peak mem (\d+ MB|\d+\.\d GB) \| elapsed ", line), line
 
 
 def test_training_lines_count_the_evaluations_once_one_is_measured(capsys):
