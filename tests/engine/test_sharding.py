@@ -41,6 +41,9 @@ def _check_gates(rank: int, port: int) -> None:
     try:
         for gate_class in (HostGate, MaskedGate):
             _check_gate(rank, gate_class)
+        # Neither rank tears its gloo pairs down while the other may still use them (CI
+        # once saw a rank abort in C++ with "terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
