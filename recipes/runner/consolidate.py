@@ -7,10 +7,10 @@ on the CPU (``handlers.sharded_checkpoint.read_sharded``), then written as the .
 one-process run would have saved, with its checksum sidecar:
 ``torch.load(file, weights_only=True)["model"]`` is a plain ``state_dict`` for the recipe's
 model, the optimizer's state is keyed by index as ``optimizer.state_dict()`` keys it, and
-``--init-from FILE`` starts a ``--strategy ddp`` run from its weights. ``evaluate``, ``export`` and ``predict``
-read the folders directly; this command is for plain PyTorch and other tools. The file goes
-to ``<run>/export/<checkpoint>.pt`` (or ``--out``), with ``<file>.json``, its sidecar;
-nothing else is written.
+``--init-from FILE`` starts a ``--strategy ddp`` run from its weights. ``evaluate``,
+``export`` and ``predict`` read the folders directly; this command is for plain PyTorch and
+other tools. The file goes to ``<run>/export/<checkpoint>.pt`` (or ``--out``), with
+``<file>.json``, its sidecar; nothing else is written.
 """
 
 from pathlib import Path
