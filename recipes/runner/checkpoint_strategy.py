@@ -5,11 +5,7 @@ folder. A checkpoint of the other kind is refused before anything is written.
 """
 
 from pathlib import Path
-from typing import Any
 
-import ignite.distributed as idist
-
-from handlers import CheckpointError
 from handlers.checkpoint import CheckpointFormat
 from handlers.checkpoint_files import (
     CHECKPOINT_NAME,
@@ -34,24 +30,15 @@ def save_wrapper(strategy: str) -> type:
     return EveryRankSave if strategy == "fsdp" else RankZeroSave
 
 
-class EveryRankSave:
+class EveryRankSave(RankZeroSave):
     """Every process saves (a sharded save is a collective: each writes its own shards) and
     learns whether every process's save worked; all raise the same ``CheckpointError`` if
     not, so all stop together with exit code 4. Attach it on every rank at the same events."""
 
-    def __init__(self, save: Any) -> None:
-        self.save = self.__wrapped__ = save  # __wrapped__: how --describe names it
+    failure = "another process could not save it"
 
-    def __call__(self, engine: Any) -> None:
-        error = None
-        try:
-            self.save(engine)
-        except CheckpointError as raised:
-            error = raised
-        if idist.get_world_size() > 1 and idist.all_reduce(int(error is not None)):
-            error = error or CheckpointError("checkpoint", "another process could not save it")
-        if error is not None:
-            raise error
+    def saves_here(self) -> bool:
+        return True
 
 
 def refuse_other_format(strategy: str, run_dir: Path, resume: str) -> None:

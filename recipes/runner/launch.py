@@ -157,17 +157,22 @@ class RankZeroSave:
     alone would wait forever in the next all-reduce for the rank that stopped.) Attach it
     on every rank at the same events: under several processes it is a collective."""
 
+    failure = "rank 0 could not save it"  # what the ranks without the cause raise
+
     def __init__(self, save: Callable[[Any], None]) -> None:
         self.save = self.__wrapped__ = save  # __wrapped__: how --describe names it
 
+    def saves_here(self) -> bool:
+        return idist.get_rank() == 0
+
     def __call__(self, engine: Any) -> None:
         error = None
-        if idist.get_rank() == 0:
+        if self.saves_here():
             try:
                 self.save(engine)
             except CheckpointError as raised:
                 error = raised
         if idist.get_world_size() > 1 and idist.all_reduce(int(error is not None)):
-            error = error or CheckpointError("checkpoint", "rank 0 could not save it")
+            error = error or CheckpointError("checkpoint", self.failure)
         if error is not None:
             raise error
