@@ -274,8 +274,13 @@ def train_process(local_rank: int, ref: str, config: dict[str, Any], run_dir: Pa
     resolved = recipe.config(**config)
     share_machine(process_device(resolved.device))
     data = recipe.load_data(resolved)
-    return rank_zero_exit_code(train(recipe, resolved, Started(run_dir, run_id, fingerprint,
-                                                               data)))
+    exit_code = train(recipe, resolved, Started(run_dir, run_id, fingerprint, data))
+    # Every rank leaves the group together: a rank that tears its gloo group down and exits
+    # while rank 0 still writes the run's last files sometimes died in C++ ("terminate called
+    # without an active exception", SIGABRT), and torchrun then restarted a finished run.
+    if idist.get_world_size() > 1:
+        idist.barrier()
+    return rank_zero_exit_code(exit_code)
 
 
 def build_parts(recipe: Recipe, config: RunConfig, data: Any, run_dir: Path

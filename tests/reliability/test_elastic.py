@@ -40,6 +40,8 @@ def torchrun(arguments: list[str], cwd: Path, **env: str) -> subprocess.Complete
              if not key.startswith(("RELIABILITY_", "CKPT_TEST_", "TORCHELASTIC_"))}
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_SEC,
                           env=clean | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                       # a worker that dies in C++ prints where Python was
+                                       "PYTHONFAULTHANDLER": "1",
                                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env})
 
 
@@ -55,7 +57,7 @@ def test_a_killed_worker_restarts_the_group_which_ends_bit_identical(tmp_path):
     write_text(tmp_path / "text.txt")
     reference = torchrun([str(RUN_RECIPE), *JOB, "--run-name", "reference"], tmp_path)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    assert "resumed from" not in reference.stdout
+    assert "resumed from" not in reference.stdout, reference.stderr[-3000:]
 
     killed = torchrun([str(RUN_RECIPE), *JOB, "--run-name", "killed"], tmp_path,
                       RELIABILITY_SIGNAL_AT="SIGKILL:iteration:14", RELIABILITY_SIGNAL_RANK="1")
