@@ -143,18 +143,42 @@ def test_state_round_trips_through_a_weights_only_checkpoint_and_resumes_bit_ide
 
 
 @pytest.mark.parametrize(("group", "options", "message"), [
-    ({"use_muon": True}, {}, "a use_muon group takes weights of 2 or more dimensions"),
-    ({}, {"ns_steps": 0}, "ns_steps must be an int >= 1"),
+    ({"use_muon": True}, {}, "a use_muon group takes weights of 2 or more dimensions "
+     "(matrices, conv filters), got a parameter of shape (3,); put biases and norm parameters "
+     "in an SGD group"),
+    ({}, {"ns_steps": 0}, "ns_steps must be an int >= 1, got 0"),
+    ({}, {"ns_steps": True}, "ns_steps must be an int >= 1, got True"),
     ({}, {"momentum": 0.0, "nesterov": True}, "nesterov needs a momentum > 0"),
-    ({}, {"lr": -1.0}, "lr must be a number in [0, inf]"),
-    ({"momentum": 1.5}, {}, "momentum must be a number in [0, 1]"),
-    ({}, {"other": "adam"}, "other must be one of sgd, adamw"),
-    ({}, {"other": "adamw", "betas": (0.9, 1.0)}, "each of betas must be a number"),
+    ({}, {"lr": -1.0}, "lr must be a number in [0, inf], got -1.0"),
+    ({}, {"lr": "0.1"}, "lr must be a number in [0, inf], got '0.1'"),
+    ({"momentum": 1.5}, {}, "momentum must be a number in [0, 1], got 1.5"),
+    ({}, {"weight_decay": -0.1}, "weight_decay must be a number in [0, inf], got -0.1"),
+    ({}, {"eps": -1e-8}, "eps must be a number in [0, inf], got -1e-08"),
+    ({}, {"other": "adam"}, "other must be one of sgd, adamw, got 'adam'"),
+    ({}, {"other": "adamw", "betas": (0.9, 1.0)},
+     "each of betas must be a number in [0, 0.999999], got 1.0"),
 ])
-def test_bad_settings_are_refused_naming_the_setting(group, options, message):
+def test_bad_settings_are_refused_naming_the_setting_and_what_is_allowed(group, options,
+                                                                          message):
     bias = nn.Parameter(torch.zeros(3))
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError) as refused:
         Muon([{"params": [bias], **group}], **{"lr": 0.1, **options})
+    assert str(refused.value) == message
+
+
+def test_a_momentum_of_1_is_allowed_and_sgd_groups_keep_their_buffers_as_torch_sgd():
+    model, reference = two_layer_model(), two_layer_model()
+    options = {"lr": 0.01, "momentum": 1.0, "nesterov": True}
+    train(model, Muon(model.parameters(), **options), batches(3))
+    train(reference, torch.optim.SGD(reference.parameters(), **options), batches(3))
+    for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_ns_steps_of_1_is_allowed():
+    weight = nn.Parameter(torch.randn(4, 6))
+    optimizer = Muon([{"params": [weight], "use_muon": True, "ns_steps": 1}], lr=0.1)
+    assert optimizer.param_groups[0]["ns_steps"] == 1
 
 
 @pytest.mark.parametrize("scale", [0.01, 10.0])

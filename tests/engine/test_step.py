@@ -331,6 +331,20 @@ def test_default_prepare_batch_keeps_named_tuples():
     assert isinstance(moved, Sample) and moved.x.is_meta and moved.y.is_meta
 
 
+class Pair(tuple):
+    """A tuple subclass without ``_fields``: built from one iterable, as tuple is."""
+
+
+@pytest.mark.parametrize("sequence_type", [Pair, collections.UserList])
+def test_default_prepare_batch_keeps_other_sequence_types(sequence_type):
+    batch = sequence_type([torch.ones(2), [torch.zeros(3)], "label"])
+    moved = move_to_device(batch, torch.device("meta"))
+    assert type(moved) is sequence_type and len(moved) == 3
+    assert moved[0].is_meta and moved[0].shape == (2,)
+    assert isinstance(moved[1], list) and moved[1][0].is_meta and moved[1][0].shape == (3,)
+    assert moved[2] == "label"
+
+
 def test_a_steps_event_follows_at_the_next_micro_batch_or_on_settle(make_mlp, make_batches):
     model = make_mlp()
     trainer = create_trainer(model, sgd(model), F.cross_entropy, accum_steps=2)

@@ -75,6 +75,15 @@ SCENARIOS = {
                                     {"epoch_length": 2, "max_epochs": 3}, None),
     "one-pass iterator runs out": (lambda: iter(range(5)), {"epoch_length": 3, "max_epochs": 3},
                                    None),
+    # Ignite warns only when the run is not done: in the last epoch it is (epoch == max_epochs).
+    "one-pass iterator runs out in the last epoch": (lambda: iter(range(5)),
+                                                     {"epoch_length": 3, "max_epochs": 2}, None),
+    # max_epochs stays None under max_iters; Ignite would run empty epochs forever after.
+    "one-pass iterator runs out before max_iters": (
+        lambda: iter(range(5)), {"epoch_length": 3, "max_iters": 8},
+        call_at(Events.EPOCH_COMPLETED, 5, "terminate")),
+    # The first pass sets epoch_length, and max_epochs from max_iters.
+    "unsized, max_iters": (lambda: Unsized([1, 2, 3]), {"max_iters": 5}, None),
     "no data": (lambda: None, {"epoch_length": 3, "max_epochs": 2}, None),
     "max_iters": (lambda: [1, 2, 3], {"max_iters": 7}, None),
     "terminate at ITERATION_COMPLETED": (lambda: [1, 2, 3], {"max_epochs": 3},
@@ -126,6 +135,23 @@ def test_a_resumed_epoch_starts_where_it_stopped_as_in_ignite():
     state = {"iteration": 4, "epoch_length": 3, "max_epochs": 3}
     ignite_log, trainer_log = run_both(lambda: [1, 2, 3], {"max_epochs": 3}, None, state)
     assert ignite_log[0][:3] == ("STARTED", 1, 4)
+    assert trainer_log == ignite_log
+
+
+def test_a_state_loaded_mid_epoch_after_a_run_resumes_at_its_position_as_in_ignite():
+    logs = []
+    for engine in (Engine(echo), bare_trainer(echo)):
+        engine.run([1, 2, 3], max_epochs=1)  # the loaded state is not the engine's first
+        log: list = []
+        record(engine, log)
+        engine.load_state_dict({"iteration": 4, "epoch_length": 3, "max_epochs": 3,
+                                **{key: 0 for key in engine.state_dict_user_keys}})
+        engine.run([1, 2, 3])
+        logs.append(log)
+    ignite_log, trainer_log = logs
+    # Epoch 2 runs its last two iterations (5, 6), epoch 3 all three.
+    assert [entry[1:3] for entry in ignite_log if entry[0] == "ITERATION_COMPLETED"] == [
+        (2, 5), (2, 6), (3, 7), (3, 8), (3, 9)]
     assert trainer_log == ignite_log
 
 
