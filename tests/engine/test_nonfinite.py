@@ -1,5 +1,9 @@
 """The non-finite guard: bad steps are skipped and counted, persistent ones stop the run."""
 
+import math
+from numbers import Number
+
+import ignite.distributed as idist
 import pytest
 import torch
 import torch.nn.functional as F
@@ -255,3 +259,56 @@ def test_a_skip_whose_every_gradient_is_finite_names_the_overflowed_total_norm()
     assert str(error.value).startswith(
         "first non-finite gradient in parameter '<none: every gradient is finite, their total "
         "norm overflowed>' at iteration 7; 1 consecutive optimizer step(s) skipped")
+
+
+def fp16_skip_with_a_finite_local_loss() -> tuple[NonFiniteGuard, Engine]:
+    """A guard settling an fp16 step skipped for an infinite gradient, the scale above 1 and
+    this rank's loss finite: a back-off, unless another rank's loss was not finite."""
+    weight = torch.zeros(2)
+    guard = NonFiniteGuard(NeverFinite(), {weight: "w"}, "raise", 3)
+    guard.pending = PendingStep(7, {"scale": torch.tensor(2.0**16)},
+                                torch.tensor([float("inf")]), [weight], [torch.tensor(0.5)])
+    engine = Engine(lambda engine, batch: None)
+    engine.state.skipped_steps = engine.state.consecutive_skips = 0
+    return guard, engine
+
+
+def all_reduce_with_one_other_rank(other_rank_value: int):
+    """``idist.all_reduce`` of a 2-process world whose other rank contributes
+    ``other_rank_value``: the ops and argument types its native backend accepts."""
+    reductions = {"SUM": sum, "PRODUCT": math.prod, "MIN": min, "MAX": max}
+
+    def all_reduce(value, op: str = "SUM", group=None):
+        if not isinstance(value, torch.Tensor | Number):
+            raise TypeError(f"Unhandled input type {type(value)}")
+        if op not in reductions:
+            raise ValueError(f"Unsupported reduction operation: '{op}'")
+        return reductions[op]([value, other_rank_value])
+
+    return all_reduce
+
+
+@pytest.mark.parametrize("other_loss_finite", [True, False])
+def test_with_two_processes_an_fp16_skip_backs_off_only_if_every_ranks_loss_was_finite(
+    monkeypatch, other_loss_finite
+):
+    monkeypatch.setattr(idist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(idist, "all_reduce", all_reduce_with_one_other_rank(int(other_loss_finite)))
+    guard, engine = fp16_skip_with_a_finite_local_loss()
+    if other_loss_finite:  # a back-off: counted as skipped, not towards the failures
+        guard.settle(engine)
+        assert (engine.state.skipped_steps, engine.state.consecutive_skips) == (1, 0)
+    else:  # a failure, as on the rank whose loss was not finite (non_finite='raise')
+        with pytest.raises(NonFiniteGradientError, match=r"^first non-finite gradient in "
+                           r"parameter 'w' at iteration 7; 1 consecutive optimizer step"):
+            guard.settle(engine)
+
+
+def test_with_one_process_the_back_off_decision_runs_no_collective(monkeypatch):
+    def all_reduce(*args, **kwargs):
+        raise AssertionError("a one-process run called all_reduce")
+
+    monkeypatch.setattr(idist, "all_reduce", all_reduce)
+    guard, engine = fp16_skip_with_a_finite_local_loss()
+    guard.settle(engine)
+    assert (engine.state.skipped_steps, engine.state.consecutive_skips) == (1, 0)

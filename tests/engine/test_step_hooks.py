@@ -1,5 +1,7 @@
 """The trainer's hooks for a step's owner: a veto, an LR scale inside the step, a skip ahead."""
 
+import copy
+
 import pytest
 import torch
 from ignite.engine import Events
@@ -43,6 +45,25 @@ def test_a_vetoed_step_leaves_weights_and_optimizer_state_and_fires_its_events(g
     assert [name for it, name in events if it == 4] == ["STEP_SKIPPED", "STEP_VETOED"]
     state = trainer.state
     assert (state.optimizer_step, state.skipped_steps, state.consecutive_skips) == (7, 1, 0)
+
+
+def test_the_veto_is_given_the_windows_losses_and_its_pre_clip_gradient_norm(gate):
+    trainer = make_trainer(torch.optim.SGD, accum_steps=2, max_grad_norm=1e-3)
+    before = copy.deepcopy(trainer.model)
+    given = []
+
+    def veto(losses, norm):  # records what it is given, vetoes nothing
+        given.append(([loss.item() for loss in losses], norm.item()))
+        return torch.tensor(False)
+
+    trainer.set_step_veto(veto)
+    trainer.run(BATCHES[:2], max_epochs=1)
+    losses = [nn.functional.mse_loss(before(x), y) for x, y in BATCHES[:2]]
+    (sum(losses) / 2).backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in before.parameters()]))
+    assert len(given) == 1
+    assert given[0][0] == pytest.approx([loss.item() for loss in losses])
+    assert given[0][1] == pytest.approx(norm.item())
 
 
 def test_a_non_finite_step_is_not_reported_as_vetoed(gate):
@@ -94,6 +115,18 @@ def test_skip_batches_drops_the_next_batches_of_the_epoch(count, accum_steps, ex
     assert fed[:len(expected)] == [i - 1 for i in expected]  # batch i-1 at iteration i
     assert started[len(expected):] == list(range(9, 17))  # the next epoch is whole
     assert completed == [8, 16]
+
+
+def test_skip_batches_in_a_later_epoch_counts_from_that_epochs_start():
+    trainer = make_trainer()
+    started = []
+    trainer.add_event_handler(Events.ITERATION_STARTED,
+                              lambda e: started.append(e.state.iteration))
+    # Once iteration 10, the second of epoch 2, is done: drops iterations 11 and 12.
+    trainer.add_event_handler(Events.GET_BATCH_STARTED(once=10),
+                              lambda e: e.skip_batches(2))
+    trainer.run(BATCHES, max_epochs=2)
+    assert started == [*range(1, 9), 9, 10, 13, 14, 15, 16]
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.0, "2"])
