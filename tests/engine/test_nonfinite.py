@@ -1,6 +1,7 @@
 """The non-finite guard: bad steps are skipped and counted, persistent ones stop the run."""
 
 import math
+import re
 from numbers import Number
 
 import ignite.distributed as idist
@@ -312,3 +313,14 @@ def test_with_one_process_the_back_off_decision_runs_no_collective(monkeypatch):
     guard, engine = fp16_skip_with_a_finite_local_loss()
     guard.settle(engine)
     assert (engine.state.skipped_steps, engine.state.consecutive_skips) == (1, 0)
+
+
+def test_max_consecutive_skips_of_1_stops_at_the_first_skip(make_mlp, make_batches):
+    trainer = nan_loss_trainer(make_mlp(), {2}, max_consecutive_skips=1)
+    message = (
+        "first non-finite gradient in parameter '0.weight' at iteration 2; 1 consecutive "
+        "optimizer step(s) skipped, stopping at iteration 2 (non_finite='skip', "
+        "max_consecutive_skips=1)"
+    )
+    with pytest.raises(NonFiniteGradientError, match=f"^{re.escape(message)}$"):
+        trainer.run(make_batches(4))
