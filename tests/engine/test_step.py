@@ -6,6 +6,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from ignite.engine import Events
 from torch import nn
@@ -398,3 +399,48 @@ def test_window_position_gives_each_micro_batchs_window_length_and_whether_it_cl
                                                            epoch_length=7), accum_steps)
                      for i in range(1, 8)]
         assert positions == expected
+
+
+def test_a_parameter_used_only_in_the_first_window_is_not_stepped_after_it(
+    gate, make_mlp, make_batches
+):
+    """The step releases the gradients (None, not zeros), so a parameter without a gradient
+    in a later window stays out of its step: momentum does not move it on."""
+
+    def forward(model: nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        return loss + model.spare.sum() if trainer.state.iteration == 1 else loss
+
+    model = WithSpareParameter(make_mlp())
+    trainer = create_trainer(model, sgd(model), forward=forward)
+    spares = []
+    trainer.add_event_handler(
+        Events.ITERATION_COMPLETED, lambda _: spares.append(model.spare.detach().clone())
+    )
+    trainer.run(make_batches(3), max_epochs=1)
+
+    assert not torch.equal(spares[0], torch.ones(3))  # the first window stepped it
+    assert all(torch.equal(spare, spares[0]) for spare in spares[1:])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_ddp_reduces_the_gradients_once_per_window(gate, make_mlp, make_batches):
+    """In a one-process gloo world: the window's earlier backwards run under ``no_sync``."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.parallel.DistributedDataParallel(make_mlp())
+        reductions = []
+
+        def allreduce_counted(state, bucket):
+            reductions.append(bucket.index())
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        model.register_comm_hook(None, allreduce_counted)
+        trainer = create_trainer(model, sgd(model), F.cross_entropy, accum_steps=2)
+        trainer.run(make_batches(4), max_epochs=1)
+    finally:
+        dist.destroy_process_group()
+    assert reductions == [0, 0]  # one bucket, two windows
