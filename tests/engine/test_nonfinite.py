@@ -7,6 +7,7 @@ from numbers import Number
 import ignite.distributed as idist
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from ignite.engine import Engine, Events
 from torch import nn
@@ -324,3 +325,22 @@ def test_max_consecutive_skips_of_1_stops_at_the_first_skip(make_mlp, make_batch
     )
     with pytest.raises(NonFiniteGradientError, match=f"^{re.escape(message)}$"):
         trainer.run(make_batches(4))
+
+
+def test_three_consecutive_skips_stop_the_run_by_default(make_mlp, make_batches):
+    trainer = nan_loss_trainer(make_mlp(), {1, 2, 3})
+    with pytest.raises(NonFiniteGradientError, match=r"max_consecutive_skips=3\)$"):
+        trainer.run(make_batches(5))
+    assert trainer.state.iteration == 3
+
+
+def test_a_ddp_models_parameters_are_named_as_in_the_model_it_wraps(make_mlp, make_batches):
+    """In a one-process gloo world; the name has no "module." prefix."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.parallel.DistributedDataParallel(make_mlp())
+        trainer = nan_loss_trainer(model, {1}, non_finite="raise")
+        with pytest.raises(NonFiniteGradientError, match=r"parameter '0\.weight' at iteration 1;"):
+            trainer.run(make_batches(2))
+    finally:
+        dist.destroy_process_group()

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from ignite.metrics import Accuracy, Loss
 from torch import nn
 
-from engine import Trainer, create_evaluator, create_trainer
+from engine import Trainer, TrainEvents, create_evaluator, create_trainer
 from engine.batch import supervised_predict
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
@@ -32,7 +32,7 @@ class Unsized:
         *[({"accum_steps": bad}, r"accum_steps must be an int >= 1") for bad in (0, -1, 1.5, True)],
         *[
             ({"max_grad_norm": bad}, r"max_grad_norm must be a finite number > 0 or None")
-            for bad in (0, -1, float("inf"), float("nan"))
+            for bad in (0, -1, float("inf"), float("nan"), True, "1.0")
         ],
         ({"precision": "fp8"}, r"precision='fp8'.*allowed: auto, fp32, fp16, bf16"),
         ({"device": "tpu"}, r"device='tpu'.*allowed: 'cpu', 'cuda'"),
@@ -202,3 +202,23 @@ def test_a_second_run_from_scratch_restarts_the_step_counters(make_mlp, make_bat
     trainer.run(make_batches(3), max_epochs=1)
     trainer.run(make_batches(3), max_epochs=1)
     assert (trainer.state.iteration, trainer.state.optimizer_step) == (3, 3)
+
+
+def test_a_trainer_saved_before_its_first_step_records_zero_steps(make_mlp):
+    model = make_mlp()
+    state = create_trainer(model, sgd(model), F.cross_entropy).state_dict()
+    assert (state["optimizer_step"], state["skipped_steps"], state["consecutive_skips"]) == (
+        0, 0, 0
+    )
+
+
+def test_step_events_can_be_filtered_by_their_step_count(make_mlp, make_batches):
+    """OPTIMIZER_STEP(every=2) fires at every second optimizer step."""
+    model = make_mlp()
+    trainer = create_trainer(model, sgd(model), F.cross_entropy)
+    seen = []
+    trainer.add_event_handler(
+        TrainEvents.OPTIMIZER_STEP(every=2), lambda e: seen.append(e.state.optimizer_step)
+    )
+    trainer.run(make_batches(5), max_epochs=1)
+    assert seen == [2, 4]
