@@ -82,3 +82,11 @@ def test_before_batch_runs_before_each_batch_ahead_of_its_events():
     engine.run([7, 8], max_epochs=1)
     assert log == [("before", 0), ("get", 0), ("process", 7), ("before", 1), ("get", 1),
                    ("process", 8)]
+
+
+def test_before_batch_sees_the_last_event_even_when_it_was_not_fired():
+    """Iteration events without handlers are not fired, but ``last_event_name`` records them."""
+    seen = []
+    engine = FastLoopEngine(echo, before_batch=lambda e: seen.append(e.last_event_name))
+    engine.run([7, 8], max_epochs=1)
+    assert seen == [Events.EPOCH_STARTED, Events.ITERATION_COMPLETED]

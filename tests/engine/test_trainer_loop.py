@@ -2,6 +2,8 @@
 the same state, in every way an epoch can start, run dry, end and fail."""
 
 import functools
+import logging
+import time
 import warnings
 
 import pytest
@@ -264,3 +266,71 @@ def test_a_handler_without_the_engine_gets_the_events_arguments_then_its_own_as_
     ours = arguments_seen(bare_trainer(echo))
     assert ours == arguments_seen(Engine(echo))
     assert ours == [("ValueError('boom')", "label", "here")]
+
+
+def failing_data():
+    yield 1
+    raise RuntimeError("the data broke")
+
+
+def test_the_last_event_and_the_error_log_around_a_failure_are_ignites(caplog):
+    """Events without handlers are not fired, but ``last_event_name`` records them as
+    Ignite's fire does: the process function sees ITERATION_STARTED, a failed fetch leaves
+    GET_BATCH_STARTED, a failed step ITERATION_STARTED."""
+    outcomes = []
+    for make in (Engine, bare_trainer):
+        seen = []
+        make(lambda e, batch, seen=seen: seen.append(e.last_event_name)).run([1, 2])
+        engine = make(echo)
+        caplog.clear()
+        with pytest.raises(RuntimeError, match="the data broke"):
+            engine.run(failing_data(), max_epochs=1, epoch_length=2)
+        after_fetch = engine.last_event_name, [r.getMessage() for r in caplog.records][:1]
+        engine = make(echo)
+        with pytest.raises(ValueError, match="boom"):
+            engine.run(["boom"], max_epochs=1)
+        outcomes.append((seen, after_fetch, engine.last_event_name))
+    assert outcomes[0] == (
+        [Events.ITERATION_STARTED, Events.ITERATION_STARTED],
+        (Events.GET_BATCH_STARTED, ["Current run is terminating due to exception: the data broke"]),
+        Events.ITERATION_STARTED,
+    )
+    assert outcomes[1] == outcomes[0]
+
+
+def test_events_are_logged_at_debug_as_ignite_logs_them(caplog):
+    """A DEBUG level set before the engine is built logs every event, the run's first ones
+    and those of its iterations (which have no handlers here)."""
+    caplog.set_level(logging.DEBUG, logger="ignite.engine.engine")
+    logs = []
+    for engine in (Engine(echo), bare_trainer(echo)):
+        caplog.clear()
+        engine.run([1, 2], max_epochs=1)
+        logs.append([r.getMessage() for r in caplog.records if "Firing handlers" in r.getMessage()])
+    assert logs[0][:2] == ["0 | 0, Firing handlers for event Events.STARTED",
+                           "1 | 0, Firing handlers for event Events.EPOCH_STARTED"]
+    assert "1 | 1, Firing handlers for event Events.ITERATION_COMPLETED" in logs[0]
+    assert logs[1] == logs[0]
+
+
+def test_max_iters_terminates_and_an_ended_epoch_passes_its_count_as_in_ignite():
+    outcomes = []
+    for engine in (Engine(echo), bare_trainer(echo)):
+        seen: list = []
+        engine.add_event_handler(Events.TERMINATE,
+                                 lambda e, seen=seen: seen.append(e.should_terminate))
+        engine.add_event_handler(Events.ITERATION_COMPLETED(once=2),
+                                 lambda e: e.terminate_epoch())
+        engine.add_event_handler(Events.TERMINATE_SINGLE_EPOCH,
+                                 lambda e, iter_counter, seen=seen: seen.append(iter_counter))
+        engine.run([1, 2, 3], max_iters=4)  # ends inside epoch 2
+        outcomes.append(seen)
+    assert outcomes[0] == [2, True]
+    assert outcomes[1] == outcomes[0]
+
+
+def test_an_epochs_time_is_within_the_runs_wall_time():
+    trainer = bare_trainer(echo)
+    started = time.time()
+    trainer.run([1, 2], max_epochs=1)
+    assert 0 <= trainer.state.times["EPOCH_COMPLETED"] <= time.time() - started
