@@ -109,7 +109,8 @@ class NonFiniteGuard:
         return loss_finite
 
     def _count_failure(self, engine: Engine, pending: PendingStep) -> None:
-        if engine.state.consecutive_skips == 0:
+        # A run resumed inside a streak (consecutive_skips > 0) has no first failure yet.
+        if engine.state.consecutive_skips == 0 or not self.first_failure:
             where = self._first_bad(pending) or (
                 "<none: every gradient is finite, their total norm overflowed>"
             )

@@ -344,3 +344,17 @@ def test_a_ddp_models_parameters_are_named_as_in_the_model_it_wraps(make_mlp, ma
             trainer.run(make_batches(2))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_run_resumed_inside_a_streak_of_skips_names_its_first_bad_parameter(
+    make_mlp, make_batches
+):
+    trainer = nan_loss_trainer(make_mlp(), {3})
+    trainer.load_state_dict({"iteration": 2, "epoch_length": 4, "max_epochs": 1,
+                             "optimizer_step": 0, "skipped_steps": 2, "consecutive_skips": 2})
+    message = (
+        "first non-finite gradient in parameter '0.weight' at iteration 3; 3 consecutive "
+        "optimizer step(s) skipped, stopping at iteration 3"
+    )
+    with pytest.raises(NonFiniteGradientError, match=f"^{re.escape(message)} "):
+        trainer.run(make_batches(4))
