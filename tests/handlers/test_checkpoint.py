@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -772,3 +773,366 @@ def test_resume_tries_last_pt_then_history_before_best_at_the_same_step_then_bes
         _build(tmp_path, seed=5, best=Goal("acc", "max")).ckpt.resume("auto")
     tried = re.findall(r"([\w.-]+\.pt): ", str(error.value).partition("no usable checkpoint")[2])
     assert tried == names
+
+
+# Each refusal's exact message, and the smallest values allowed
+
+
+def _exactly(message: str) -> str:
+    return f"^{re.escape(message)}$"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"run_id": ""}, "run_id must be a non-empty string, got ''"),
+        ({"config": ["lr"]}, "config must be a dict or None, got list"),
+        ({"config": {"root": Path("x")}}, "config must hold plain values: config['root'] is a "
+                                          "PosixPath, which torch.load(weights_only=True) refuses"),
+        ({"keep_last": 0}, "keep_last must be an int >= 1 (checkpoints), got 0"),
+        ({"keep_best": 1.5}, "keep_best must be an int >= 1 (checkpoints), got 1.5"),
+        ({"best": "acc"}, "best must be a Goal(metric, mode) or None, got 'acc'"),
+        ({"save_every": 0}, "save_every must be an int >= 1 (optimizer steps), got 0"),
+        ({"file_mode": 0o400}, "file_mode must be a permission such as 0o640 or 0o600 that lets "
+                               "the owner read and write, got 256"),
+        ({"file_mode": 0o1640}, "file_mode must be a permission such as 0o640 or 0o600 that "
+                                "lets the owner read and write, got 928"),
+        ({"file_mode": "0o640"}, "file_mode must be a permission such as 0o640 or 0o600 that "
+                                 "lets the owner read and write, got '0o640'"),
+        ({"file_mode": True}, "file_mode must be a permission such as 0o640 or 0o600 that lets "
+                              "the owner read and write, got True"),
+    ],
+)
+def test_each_bad_argument_is_refused_with_its_name_and_what_is_allowed(tmp_path, kwargs,
+                                                                         message):
+    run = _build(tmp_path / "run")
+    to_save = {"model": run.model, "trainer": run.trainer}
+    with pytest.raises(ValueError, match=_exactly(message)):
+        Checkpointer(tmp_path / "refused", to_save, **{"run_id": "r", **kwargs})
+    assert not (tmp_path / "refused").exists()  # nothing created before the checks passed
+
+
+class _OnlyStateDict:
+    def state_dict(self):
+        return {}
+
+
+class _OnlyLoadStateDict:
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({1: nn.Linear(1, 1)}, "to_save key 1 is not allowed: use a string other than meta, "
+                               "checkpointer"),
+        ({"half": _OnlyStateDict()}, "to_save['half'] has no state_dict()/load_state_dict()"),
+        ({"half": _OnlyLoadStateDict()}, "to_save['half'] has no state_dict()/load_state_dict()"),
+    ],
+)
+def test_each_to_save_entry_must_be_named_by_a_string_and_have_both_state_methods(
+    tmp_path, extra, message
+):
+    run = _build(tmp_path)
+    with pytest.raises(ValueError, match=_exactly(message)):
+        Checkpointer(tmp_path, {"model": run.model, "trainer": run.trainer, **extra}, run_id="r")
+
+
+def test_to_save_that_is_not_a_mapping_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=_exactly(
+            "to_save must be a dict holding at least 'model' and 'trainer'")):
+        Checkpointer(tmp_path, ("model", "trainer"), run_id="r")
+
+
+def test_the_smallest_allowed_values_and_a_folder_whose_parents_do_not_exist_yet(tmp_path):
+    run = _build(tmp_path / "run")
+    to_save = {"model": run.model, "trainer": run.trainer}
+    ckpt = Checkpointer(tmp_path / "new" / "deeper", to_save, run_id="r", keep_last=1,
+                        keep_best=1, save_every=1, file_mode=0o600)
+    assert ckpt.dirname.is_dir()
+    assert (ckpt.keep_last, ckpt.keep_best, ckpt.save_every) == (1, 1, 1)
+
+
+def test_any_mode_that_lets_the_owner_read_and_write_is_allowed(tmp_path):
+    run = _build(tmp_path, file_mode=0o755)
+    _move_trainer_to(run, 1)
+    run.ckpt.save_last(run.trainer)
+    assert {path.stat().st_mode & 0o777 for path in tmp_path.iterdir()} == {0o755}
+
+
+def test_by_default_the_last_3_and_the_best_1_are_kept(tmp_path):
+    run = _build(tmp_path, best=Goal("acc", "max"))
+    for step in range(1, 5):
+        _move_trainer_to(run, step)
+        run.ckpt.save_last(run.trainer)
+    for step, score in [(5, 0.5), (6, 0.7)]:
+        _evaluate(run, step, score)
+    state = run.ckpt.state_dict()
+    assert state["history"] == ["step-00000002.pt", "step-00000003.pt", "step-00000004.pt"]
+    assert [entry["file"] for entry in state["best"]] == ["best-step-00000006.pt"]
+
+
+# What a save records, and what a failed eviction leaves
+
+
+def _in_an_epoch_of_10(run: Run) -> Run:
+    """Give the scripted trainer an epoch, so that a checkpoint of it restores."""
+    state = run.trainer.state
+    state.epoch, state.epoch_length, state.max_epochs = 1, 10, 1
+    return run
+
+
+def test_a_save_records_when_it_was_made_and_its_sidecar_names_its_file(tmp_path):
+    run = _build(tmp_path)
+    _move_trainer_to(run, 1)
+    before = time.time()
+    run.ckpt.save_last(run.trainer)
+    after = time.time()
+    meta = read_checkpoint(tmp_path / "last.pt")["meta"]
+    assert before <= meta["saved_at_unix"] <= after
+    sidecar = json.loads((tmp_path / "last.pt.json").read_text())
+    assert sidecar["saved_at_unix"] == meta["saved_at_unix"]
+    assert sidecar["file"] == "step-00000001.pt"
+
+
+def test_a_resume_after_a_finished_eviction_leaves_nothing_pending(tmp_path, caplog):
+    """The checkpoint lists what its save was about to evict; by the resume both files of
+    step 1 are long gone, which is no failure to delete them."""
+    run = _in_an_epoch_of_10(_build(tmp_path, keep_last=1))
+    for step in (1, 2):
+        _move_trainer_to(run, step)
+        run.ckpt.save_last(run.trainer)
+    assert read_checkpoint(tmp_path / "last.pt")["checkpointer"]["evict"] == ["step-00000001.pt"]
+
+    resumed = _build(tmp_path, seed=5, keep_last=1)
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+        resumed.ckpt.resume("auto")
+    assert resumed.ckpt.state_dict()["evict"] == []
+    assert "could not delete" not in caplog.text
+
+
+def test_an_evicted_checkpoint_that_cannot_be_deleted_is_retried_at_the_next_save(
+    tmp_path, monkeypatch, caplog
+):
+    run = _build(tmp_path, keep_last=1)
+    _move_trainer_to(run, 1)
+    run.ckpt.save_last(run.trainer)
+    real_unlink, refused = os.unlink, []
+
+    def unlink_refusing_step_1_once(path, *args, **kwargs):
+        if Path(path).name == "step-00000001.pt" and not refused:
+            refused.append(path)
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink_refusing_step_1_once)
+    _move_trainer_to(run, 2)
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+        run.ckpt.save_last(run.trainer)
+    assert refused and "could not delete evicted checkpoint step-00000001.pt" in caplog.text
+    assert run.ckpt.state_dict()["evict"] == ["step-00000001.pt"]
+    assert {"step-00000001.pt", "step-00000001.pt.json"} <= _names(tmp_path)
+
+    _move_trainer_to(run, 3)
+    run.ckpt.save_last(run.trainer)
+    assert run.ckpt.state_dict()["evict"] == []
+    assert {name for name in _names(tmp_path) if name.startswith("step-")} == {
+        "step-00000003.pt", "step-00000003.pt.json"}
+
+
+def test_of_two_checkpoints_of_one_step_the_later_iteration_is_resumed_first(tmp_path):
+    """A spike-guard rollback repeats a step number at a later iteration: step 3 saved at
+    iteration 3, then its best at iteration 5."""
+    run = _in_an_epoch_of_10(_build(tmp_path, best=Goal("acc", "max")))
+    _move_trainer_to(run, 3)
+    run.ckpt.save_last(run.trainer)
+    run.trainer.state.iteration = 5
+    evaluator = Engine(lambda engine, batch: None)
+    evaluator.state.metrics = {"acc": 0.5}
+    run.ckpt.save_best(evaluator)
+    (tmp_path / "last.pt").unlink()
+    (tmp_path / "last.pt").write_bytes(b"garbage")
+
+    info = _build(tmp_path, seed=5, best=Goal("acc", "max")).ckpt.resume("auto")
+    assert (info.path.name, info.meta["iteration"]) == ("best-step-00000003.pt", 5)
+
+
+# Verified reads: each reason's exact wording
+
+
+def _one_save(dirname: Path) -> Path:
+    run = _in_an_epoch_of_10(_build(dirname))
+    _move_trainer_to(run, 1)
+    run.ckpt.save_last(run.trainer)
+    return dirname / "step-00000001.pt"
+
+
+def _reason(path: Path, **kwargs) -> str:
+    with pytest.raises(CheckpointError) as error:
+        read_checkpoint(path, **kwargs)
+    assert error.value.path == path
+    return error.value.reason
+
+
+def _commit_by_hand(path: Path, **changes) -> None:
+    """Write ``path``'s sidecar as a save would, so that the file verifies."""
+    data = path.read_bytes()
+    sidecar = {"format_version": 1, "run_id": "run-a", "iteration": 1, "optimizer_step": 1,
+               "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), **changes}
+    path.with_name(path.name + ".json").write_text(json.dumps(sidecar))
+
+
+def test_a_size_mismatch_is_worded_with_both_sizes(tmp_path):
+    path = _one_save(tmp_path)
+    size = path.stat().st_size
+    _append_junk(path)
+    assert _reason(path) == f"checksum mismatch ({size + 4} bytes, {size} committed)"
+    os.truncate(path, size)
+    _flip_a_byte(path)
+    assert _reason(path) == "checksum mismatch"
+    os.truncate(path, 10)
+    assert _reason(path) == f"truncated (10 of {size} bytes)"
+
+
+def test_a_file_that_verifies_but_does_not_load_names_torchs_error(tmp_path, monkeypatch):
+    path = tmp_path / "step-00000001.pt"
+    path.write_bytes(b"not a zip file")
+    _commit_by_hand(path)
+    with pytest.raises(Exception) as torch_error:
+        torch.load(path, weights_only=True)
+    first_line = str(torch_error.value).strip().splitlines()[0]
+    assert _reason(path) == f"not a checkpoint: {first_line}"
+
+    def load_without_a_message(*args, **kwargs):
+        raise EOFError()
+
+    monkeypatch.setattr(torch, "load", load_without_a_message)
+    assert _reason(path) == "not a checkpoint: EOFError"
+
+
+def test_a_verified_checkpoint_without_an_entry_this_run_restores_is_refused(tmp_path):
+    path = _one_save(tmp_path)
+    assert _reason(path, required_keys=("model", "ema")) == (
+        "not a checkpoint of this setup: missing keys ['ema']")
+    run = _build(tmp_path, seed=5)
+    with_ema = Checkpointer(tmp_path, {**run.ckpt.to_save, "ema": nn.Linear(1, 1)},
+                            run_id="run-a")
+    with pytest.raises(CheckpointError, match=r"missing keys \['ema'\]$"):
+        with_ema.resume(path)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"size_bytes": "1234"}, {"sha256": 1234}, {"run_id": None}],
+    ids=["size_as_text", "sha256_as_number", "without_run_id"],
+)
+def test_a_sidecar_with_a_missing_key_or_a_wrong_value_type_is_not_a_sidecar(tmp_path,
+                                                                            changes):
+    path = _one_save(tmp_path)
+    _commit_by_hand(path, **changes)
+    if changes == {"run_id": None}:
+        sidecar = json.loads(path.with_name(path.name + ".json").read_text())
+        del sidecar["run_id"]
+        path.with_name(path.name + ".json").write_text(json.dumps(sidecar))
+    assert _reason(path) == "unreadable sidecar step-00000001.pt.json: not a sidecar"
+
+
+def test_a_sidecar_that_is_not_an_object_is_not_a_sidecar(tmp_path):
+    path = _one_save(tmp_path)
+    path.with_name(path.name + ".json").write_text("[1, 2]")
+    assert _reason(path) == "unreadable sidecar step-00000001.pt.json: not a sidecar"
+
+
+@pytest.mark.parametrize(
+    ("value", "description"),
+    [
+        ({"callback": print}, "checkpoint['callback'] is a builtin_function_or_method"),
+        ({Path("x"): 1}, "checkpoint key PosixPath('x') is a PosixPath"),
+        ({"hooks": [1, "a", print]}, "checkpoint['hooks'][2] is a builtin_function_or_method"),
+        ({"hooks": (1, {"inner": [Path("y")]})},
+         "checkpoint['hooks'][1]['inner'][0] is a PosixPath"),
+    ],
+)
+def test_unloadable_entry_names_the_first_entry_weights_only_loading_refuses(value,
+                                                                             description):
+    found = checkpoint_files_module.unloadable_entry(value)
+    assert found == f"{description}, which torch.load(weights_only=True) refuses"
+
+
+def test_unloadable_entry_accepts_tensors_and_plain_values_in_dicts_lists_and_tuples():
+    value = {"w": torch.zeros(2), "p": nn.Parameter(torch.ones(1)), "n": [1, 2.0, None, "s"],
+             "t": (torch.Size([2]), torch.float32, torch.device("cpu"), True)}
+    assert checkpoint_files_module.unloadable_entry(value) is None
+
+
+# The other format's checkpoints, leftovers of a killed save, a checkpoint that does not fit
+
+
+def _sharded_checkpoint(dirname: Path, name: str, committed: bool = True) -> None:
+    """A ``.dcp`` checkpoint folder as ``ShardedFolder`` leaves it; only its name and sidecar
+    matter to a single-file run."""
+    (dirname / name).mkdir(parents=True)
+    if committed:
+        (dirname / f"{name}.json").write_text("{}")
+
+
+def test_a_folder_of_only_the_other_formats_checkpoints_is_refused_naming_the_newest(tmp_path):
+    _sharded_checkpoint(tmp_path, "step-00000001.dcp")
+    _sharded_checkpoint(tmp_path, "step-00000002.dcp")
+    with pytest.raises(CheckpointError, match=_exactly(
+            f"{tmp_path}: holds checkpoints of another format (step-00000002.dcp), this run "
+            f"reads .pt ones")):
+        _build(tmp_path).ckpt.resume("auto")
+
+
+def test_the_other_formats_uncommitted_folder_is_a_fresh_start(tmp_path):
+    _sharded_checkpoint(tmp_path, "step-00000001.dcp", committed=False)
+    assert _build(tmp_path).ckpt.resume("auto") is None
+
+
+def test_a_folder_with_checkpoints_of_this_format_resumes_from_them_whatever_else_it_holds(
+    tmp_path
+):
+    _one_save(tmp_path)
+    _sharded_checkpoint(tmp_path, "step-00000009.dcp")
+    info = _build(tmp_path, seed=5).ckpt.resume("auto")
+    assert (info.path.name, info.rejected) == ("last.pt", [])  # the .dcp is not a candidate
+
+
+def test_a_resume_removes_the_temp_files_a_killed_save_left_and_nothing_else(tmp_path):
+    _one_save(tmp_path)
+    leftovers = [".step-00000002.pt.1a2b3c4d.tmp", ".last.pt.json.5e6f7a8b.tmp"]
+    for name in [*leftovers, "notes.tmp"]:
+        (tmp_path / name).write_bytes(b"partial")
+    _build(tmp_path, seed=5).ckpt.resume("auto")
+    assert not set(leftovers) & _names(tmp_path) and "notes.tmp" in _names(tmp_path)
+
+
+def test_a_checkpoint_that_does_not_fit_an_object_names_the_file_and_the_object(tmp_path):
+    path = _one_save(tmp_path)
+    run = _build(tmp_path, seed=5)
+    other_shape = Checkpointer(tmp_path, {"model": nn.Linear(6, 3), "trainer": run.trainer},
+                               run_id="run-a")
+    with pytest.raises(CheckpointError) as error:
+        other_shape.resume(path)
+    assert error.value.path == path
+    assert error.value.reason.startswith("cannot restore 'model': Error(s) in loading")
+
+
+def test_checkpoint_in_finds_the_pt_file_first_then_the_dcp_folder(tmp_path):
+    assert checkpoint_files_module.checkpoint_in(tmp_path, "best") is None
+    (tmp_path / "best.dcp").mkdir()
+    assert checkpoint_files_module.checkpoint_in(tmp_path, "best") == tmp_path / "best.dcp"
+    (tmp_path / "best.pt").write_bytes(b"")
+    assert checkpoint_files_module.checkpoint_in(tmp_path, "best") == tmp_path / "best.pt"
+
+
+def test_is_checkpoint_takes_a_file_or_a_dcp_folder(tmp_path):
+    (tmp_path / "step-00000001.pt").write_bytes(b"")
+    for folder in ("step-00000002.dcp", "runs"):
+        (tmp_path / folder).mkdir()
+    verdicts = {name: checkpoint_files_module.is_checkpoint(tmp_path / name)
+                for name in ("step-00000001.pt", "step-00000002.dcp", "runs", "missing.pt")}
+    assert verdicts == {"step-00000001.pt": True, "step-00000002.dcp": True, "runs": False,
+                        "missing.pt": False}
