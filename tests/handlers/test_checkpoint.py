@@ -760,6 +760,17 @@ def test_without_readable_sidecars_last_pt_ranks_first_then_the_steps_then_best_
         "last.pt", "step-00000002.pt", "step-00000000.pt", "best.pt"]
 
 
+def test_without_readable_sidecars_last_dcp_ranks_first_as_last_pt_does(tmp_path):
+    """The sharded format's link names rank as the single file's: last first, best last."""
+    names = ["best.dcp", "step-00000001.dcp", "last.dcp"]
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / f"{name}.json").write_text("not json")
+    ranked = sorted((tmp_path / name for name in names), key=checkpoint_files_module
+                    .claimed_position, reverse=True)
+    assert [path.name for path in ranked] == ["last.dcp", "step-00000001.dcp", "best.dcp"]
+
+
 def test_resume_tries_last_pt_then_history_before_best_at_the_same_step_then_best_pt(tmp_path):
     run = _build(tmp_path, best=Goal("acc", "max"))
     _move_trainer_to(run, 3)

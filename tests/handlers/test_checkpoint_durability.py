@@ -235,3 +235,10 @@ def test_a_write_without_crash_points_replaces_the_file_whole_with_its_mode(tmp_
     write_atomically(target, lambda file: file.write(b"new"), file_mode=0o640)
     assert target.read_text() == "new" and target.stat().st_mode & 0o777 == 0o640
     assert os.listdir(tmp_path) == ["config.json"]
+
+
+def test_a_write_without_a_mode_is_readable_by_its_owner_only(tmp_path):
+    """The default mode: run files (exports, caches) are private unless a caller says."""
+    target = tmp_path / "model.onnx"
+    write_atomically(target, lambda file: file.write(b"new"))
+    assert target.stat().st_mode & 0o777 == 0o600

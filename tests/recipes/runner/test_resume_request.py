@@ -12,8 +12,12 @@ from ignite.engine import Engine
 from torch import nn
 
 from engine import create_trainer
+from handlers import sharded_checkpoint
 from handlers.checkpoint import Checkpointer
+from handlers.checkpoint_files import FORMAT_VERSION
+from handlers.crash_points import CrashPoints
 from handlers.goal import Goal
+from handlers.sharded_checkpoint import ShardedFolder
 from recipes.runner.config import ConfigError
 from recipes.runner.resume_request import (
     check_resume_file,
@@ -128,3 +132,32 @@ def test_the_auto_and_never_requests_are_not_files_to_verify(request_, tmp_path,
     monkeypatch.chdir(tmp_path)
     (tmp_path / request_).write_bytes(b"not a checkpoint")  # a file by that name is not read
     check_resume_file(request_, "run-a")
+
+
+@pytest.fixture
+def sharded_run(tmp_path, monkeypatch) -> Path:
+    """A checkpoints folder holding one sharded checkpoint of run-a, whose shards must not be
+    gathered: a resume check reads its meta alone (the whole model may not fit one process)."""
+    folder = ShardedFolder()
+    model = nn.Linear(3, 2)
+    sidecar = {"format_version": FORMAT_VERSION, "run_id": "run-a", "iteration": 1,
+               "optimizer_step": 1}
+    meta = sidecar | {"config": {"lr": 0.2, "data": {"sha256": "abc"}}}
+    payload = folder.snapshot({"model": model}) | {"meta": meta, "checkpointer": {}}
+    folder.write(tmp_path / "step-00000001.dcp", payload, sidecar, file_mode=0o600,
+                 crash=CrashPoints())
+
+    def gather(path):
+        raise AssertionError(f"the shards of {path} were gathered")
+
+    monkeypatch.setattr(sharded_checkpoint, "_gather_shards", gather)
+    return tmp_path
+
+
+def test_a_sharded_checkpoints_config_is_read_without_gathering_its_shards(sharded_run):
+    assert saved_in_checkpoints(sharded_run) == {
+        "run_id": "run-a", "config": {"lr": 0.2}, "data": {"sha256": "abc"}}
+
+
+def test_a_sharded_resume_folder_is_verified_without_gathering_its_shards(sharded_run):
+    check_resume_file(str(sharded_run / "step-00000001.dcp"), "run-a")
