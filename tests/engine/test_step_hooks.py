@@ -76,15 +76,16 @@ def test_a_non_finite_step_is_not_reported_as_vetoed(gate):
     assert vetoed == [] and trainer.state.consecutive_skips == 1
 
 
-def test_the_lr_scale_acts_inside_the_step_only(gate):
+@pytest.mark.parametrize("scale", [0.5, 2.0])  # below and above 1: no value is a shortcut
+def test_the_lr_scale_acts_inside_the_step_only(gate, scale):
     plain, scaled = make_trainer(torch.optim.SGD), make_trainer(torch.optim.SGD)
-    scaled.set_lr_scale(0.5)
+    scaled.set_lr_scale(scale)
     start = [p.detach().clone() for p in plain.model.parameters()]
     plain.run(BATCHES[:1], max_epochs=1)
     scaled.run(BATCHES[:1], max_epochs=1)
     for before, full, half in zip(start, plain.model.parameters(), scaled.model.parameters(),
                                   strict=True):
-        torch.testing.assert_close(half - before, (full - before) / 2)
+        torch.testing.assert_close(half - before, (full - before) * scale)
     assert scaled.optimizer.param_groups[0]["lr"] == 0.1
     with pytest.raises(ValueError, match="lr_scale"):
         scaled.set_lr_scale(0)
