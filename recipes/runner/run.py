@@ -52,6 +52,7 @@ from recipes.runner.fingerprint import describe_change
 from recipes.runner.folder import read_saved_config, resolve_run_dir, write_json_atomic
 from recipes.runner.init_from import applies, load_init_weights, plan_init_from
 from recipes.runner.launch import (
+    exit_process,
     launched_by_torchrun,
     plan_launch,
     process_device,
@@ -111,7 +112,8 @@ def run(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
     if launched_by_torchrun():
         prepare_start(config)  # a group that torchrun restarted resumes its run
         with idist.Parallel(backend=_launch(config).backend):  # joins torchrun's group
-            return _join_group(recipe, config, given)
+            exit_code = _join_group(recipe, config, given)
+        exit_process(exit_code)
     finished = choose_run(recipe.name, recipe.best, config, given)
     if finished is not None:
         print(finished)
@@ -274,13 +276,8 @@ def train_process(local_rank: int, ref: str, config: dict[str, Any], run_dir: Pa
     resolved = recipe.config(**config)
     share_machine(process_device(resolved.device))
     data = recipe.load_data(resolved)
-    exit_code = train(recipe, resolved, Started(run_dir, run_id, fingerprint, data))
-    # Every rank leaves the group together: a rank that tears its gloo group down and exits
-    # while rank 0 still writes the run's last files sometimes died in C++ ("terminate called
-    # without an active exception", SIGABRT), and torchrun then restarted a finished run.
-    if idist.get_world_size() > 1:
-        idist.barrier()
-    return rank_zero_exit_code(exit_code)
+    return rank_zero_exit_code(train(recipe, resolved, Started(run_dir, run_id, fingerprint,
+                                                               data)))
 
 
 def build_parts(recipe: Recipe, config: RunConfig, data: Any, run_dir: Path

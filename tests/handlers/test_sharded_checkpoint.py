@@ -27,6 +27,7 @@ from handlers.checkpoint import Checkpointer, CheckpointError
 from handlers.checkpoint_files import SingleFile, read_checkpoint
 from handlers.crash_points import CRASH_PHASES
 from handlers.sharded_checkpoint import ShardedFolder
+from recipes.runner.launch import exit_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
@@ -124,6 +125,7 @@ def _two_process_worker(rank: int, port: int, root: Path) -> None:
         _disk_full_on_rank_zero(resumed, rank, root / "checkpoints")
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # passed: skip the interpreter's teardown (see its docstring)
 
 
 def _disk_full_on_rank_zero(run: Run, rank: int, folder: Path) -> None:
