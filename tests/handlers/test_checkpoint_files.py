@@ -22,6 +22,7 @@ from handlers.checkpoint_files import (
     CheckpointError,
     SingleFile,
     checkpoint_in,
+    first_non_finite,
     is_checkpoint,
     load_payload,
     read_checkpoint,
@@ -228,3 +229,13 @@ def test_a_folder_of_committed_sharded_checkpoints_is_refused_not_a_fresh_start(
 def test_a_sharded_folder_never_committed_leaves_a_fresh_start(tmp_path):
     (tmp_path / "step-00000001.dcp").mkdir()  # a first save killed before its sidecar
     assert _single_file_checkpointer(tmp_path).resume("auto") is None
+
+
+@pytest.mark.parametrize(("state", "expected"), [
+    ({"w": torch.tensor([1.0, float("nan")])}, "w"),  # one float tensor alone
+    ({"w": torch.ones(2)}, None),
+    ({"step": torch.tensor(3), "w": torch.ones(2), "b": torch.tensor([float("inf")])}, "b"),
+    ({"step": torch.tensor(3)}, None),  # integers are never checked
+])
+def test_first_non_finite_names_the_first_float_tensor_holding_nan_or_inf(state, expected):
+    assert first_non_finite(state) == expected
