@@ -11,6 +11,7 @@ raises ends the others at once (the spawner or torchrun stops them), and the spa
 with its code: 2 for a user error, which the failing process has already printed, else 1.
 """
 
+import atexit
 import logging
 import os
 import signal
@@ -150,11 +151,13 @@ def exit_process(exit_code: int) -> NoReturn:
     cannot take the GIL and the process aborts ("terminate called without an active
     exception", seen in ~1 of 40 two-process runs here: a core dump shows
     ~AsyncBarrierWork -> TensorImpl::decref_pyobject -> take_gil -> pthread_exit; pytorch PR
-    #179291 describes it). torchrun then restarts a run that had finished. Every file of the
-    run is closed by then; what os._exit skips is the interpreter's own teardown."""
+    #179291 describes it). torchrun then restarts a run that had finished. The exit
+    functions run first, as at a normal exit (logging's flush; multiprocessing's finalizers,
+    which release e.g. tqdm's lock, else the spawner warns of leaked semaphores); what
+    os._exit skips is only the interpreter's teardown that follows them."""
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    logging.shutdown()
     os._exit(exit_code)
 
 
