@@ -36,7 +36,6 @@ folder, and what ``python -m recipes <recipe> consolidate`` writes).
 """
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -54,13 +53,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultSavePlanner
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
 from handlers.atomic_write import fsync_dir, write_atomically
@@ -75,6 +75,7 @@ from handlers.checkpoint_files import (
     unloadable_entry,
 )
 from handlers.crash_points import CrashPoints
+from handlers.dcp_metadata import SafeFileSystemReader, read_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class ShardedFolder:
             if optimizer is not None:
                 sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
             with _quiet_about_one_process():
-                dcp.load(sharded, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+                dcp.load(sharded, storage_reader=SafeFileSystemReader(path), no_dist=True)
             set_model_state_dict(model, sharded["model"])
             if optimizer is not None:
                 set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
@@ -289,6 +290,7 @@ def read_sharded(path: str | os.PathLike, *, expected_run_id: str | None = None,
     except OSError as err:
         raise CheckpointError(path, f"unreadable: {err}") from err
     check_run_id(path, sidecar, expected_run_id)
+    read_metadata(path)  # refuses a .metadata that would run code, before anything loads it
     sharded = tuple(sidecar.get("sharded", ()))
     payload = load_payload(path, path / STATE_FILE,
                            tuple(key for key in required_keys if key not in sharded))
@@ -301,14 +303,19 @@ def read_sharded(path: str | os.PathLike, *, expected_run_id: str | None = None,
 
 
 def _gather_shards(path: Path) -> dict[str, Any]:
-    """The model's and optimizer's whole tensors (DCP's ``dcp_to_torch_save``, in memory),
-    the optimizer's state re-keyed from parameter names to indices."""
-    buffer = io.BytesIO()
+    """The model's and optimizer's whole tensors, the optimizer's state re-keyed from
+    parameter names to indices. Gathered as DCP's ``dcp_to_torch_save`` gathers them (its
+    private ``_load_state_dict`` with the planner that loads every entry the metadata lists;
+    the public ``dcp.load`` loads only the keys it is given), but through
+    ``SafeFileSystemReader``, and without that function's ``torch.load(weights_only=False)``
+    round trip."""
+    tensors: dict[str, Any] = {}
     try:
         with _quiet_about_one_process():
-            dcp_to_torch_save(path, buffer)
-        buffer.seek(0)
-        tensors = torch.load(buffer, map_location="cpu", weights_only=True)
+            _load_state_dict(tensors, storage_reader=SafeFileSystemReader(path),
+                             planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except CheckpointError:
+        raise
     except (Exception, CheckpointException) as err:
         raise CheckpointError(path, f"not a checkpoint: {_first_line(err)}") from err
     if "optimizer" in tensors:

@@ -3,8 +3,11 @@ single .pt file a one-process run would have saved (verified, loadable into the 
 and ``evaluate``, ``export`` and ``--init-from`` read the folders directly."""
 
 import contextlib
+import hashlib
 import io
 import json
+import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -117,3 +120,87 @@ def test_the_closing_lines_name_the_sharded_best_checkpoint(sharded_run):
     printed = (sharded_run.parent / "train.out").read_text()
     assert f"  best     {sharded_run / 'checkpoints' / 'best.dcp'}: loss " in printed
     assert f"  evaluate python -m recipes charlm evaluate {sharded_run}" in printed
+
+
+# --- a .dcp folder whose .metadata would run code -------------------------------------------
+
+
+class RunsCodeWhenUnpickled:
+    """Unpickling calls ``os.mkdir(marker)``: what a planted ``.metadata`` would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def plant_metadata(folder: Path, marker: Path) -> None:
+    """Make ``.metadata`` of the sharded checkpoint ``folder`` a payload that creates
+    ``marker``, with sidecars that match it (whoever plants a folder can write those too)."""
+    (folder / ".metadata").write_bytes(pickle.dumps(RunsCodeWhenUnpickled(marker)))
+    for sidecar in folder.parent.glob("*.dcp.json"):
+        facts = json.loads(sidecar.read_text())
+        if (folder.parent / facts["file"]).resolve() != folder.resolve():
+            continue
+        files = {name: {"sha256": hashlib.sha256((folder / name).read_bytes()).hexdigest(),
+                        "size_bytes": (folder / name).stat().st_size} for name in facts["files"]}
+        facts.update(files=files, size_bytes=sum(f["size_bytes"] for f in files.values()),
+                     sha256=hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest())
+        sidecar.write_text(json.dumps(facts))
+
+
+@pytest.fixture
+def trapped_run(sharded_run, tmp_path) -> tuple[Path, Path]:
+    """A copy of the sharded run whose every checkpoint folder holds the payload."""
+    copy, marker = tmp_path / "run", tmp_path / "code-ran"
+    shutil.copytree(sharded_run, copy, symlinks=True)
+    folders = list((copy / "checkpoints").glob("*step-*.dcp"))
+    assert folders and all(".metadata" in json.loads(Path(f"{folder}.json").read_text())["files"]
+                           for folder in folders)
+    for folder in folders:
+        plant_metadata(folder, marker)
+    return copy, marker
+
+
+@pytest.mark.parametrize("command", ["evaluate", "generate", "export", "consolidate",
+                                     "init-from"])
+def test_no_command_runs_the_code_of_a_planted_metadata(sharded_run, trapped_run, tmp_path,
+                                                        capsys, command):
+    run_dir, marker = trapped_run
+    before = digests(run_dir)
+    args = {"evaluate": ["charlm", "evaluate", str(run_dir)],
+            "generate": ["charlm", "generate", str(run_dir), "--prompt", "def"],
+            "export": ["charlm", "export", str(run_dir), "--format", "safetensors",
+                       "--out", str(tmp_path / "weights.safetensors")],
+            "consolidate": ["charlm", "consolidate", str(run_dir)],
+            "init-from": [*CHARLM, "--text", str(sharded_run.parent / "text.txt"),
+                          "--init-from", str(run_dir), "--run-dir", str(tmp_path / "new")],
+            }[command]
+    code = main(args)
+    one_error_line(code, capsys.readouterr().err, "best.dcp",
+                   "refused: its .metadata names posix.mkdir")
+    assert not marker.exists()
+    assert digests(run_dir) == before
+    assert not (tmp_path / "weights.safetensors").exists() and not (tmp_path / "new").exists()
+
+
+def test_a_resume_falls_back_past_a_planted_folder_unrun(sharded_run, tmp_path, caplog, capsys):
+    run_dir, marker = tmp_path / "run", tmp_path / "code-ran"
+    shutil.copytree(sharded_run, run_dir, symlinks=True)
+    checkpoints = run_dir / "checkpoints"
+    newest = (checkpoints / "last.dcp").resolve()
+    planted = checkpoints / "step-00000099.dcp"  # newer than any the run wrote
+    shutil.copytree(newest, planted)
+    sidecar = json.loads(Path(f"{newest}.json").read_text())
+    Path(f"{planted}.json").write_text(json.dumps({**sidecar, "file": planted.name}))
+    plant_metadata(planted, marker)
+
+    code = main([*CHARLM, "--text", str(sharded_run.parent / "text.txt"),
+                 "--run-dir", str(run_dir)])
+    leave_the_group()
+    assert code == 0, capsys.readouterr().err
+    assert not marker.exists()
+    rejected = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert len(rejected) == 1 and f"{planted} rejected: refused: its .metadata names " \
+                                   "posix.mkdir" in rejected[0], rejected
