@@ -4,9 +4,12 @@ the trained model as a file that loads without this project.
 ``pt2`` (default) is ``torch.export`` of the model in eval mode: its forward without test-time
 augmentation, in fp32, on the input the evaluator gives it (normalised images, or byte ids),
 with a dynamic batch dimension (and charlm's sequence length up to its block size); it loads
-with ``torch.export.load(path).module()`` and needs torch only. ``safetensors`` is the weights
-the run evaluated (the averaged ones with ``--averaging``) in the pickle-free format any
-framework reads, to load into the recipe's model class. ``onnx`` is that ``pt2`` program
+with ``torch.export.load(path).module()`` and needs torch only. That module is already in eval
+mode (exported so) and refuses ``.eval()``/``.train()`` (torch's ``NotImplementedError``: an
+exported graph has no mode to switch); the JSON says ``"mode": "eval"``. ``safetensors`` is
+the weights the run evaluated (the averaged ones with ``--averaging``) in the pickle-free format any
+framework reads, to load into the recipe's model class; its metadata carries the JSON's facts
+too (each value as JSON text). ``onnx`` is that ``pt2`` program
 converted to ONNX, with the same dynamic dimensions, for onnxruntime and other ONNX runtimes;
 it needs the optional ``onnx`` extra (``recipes.runner.export_onnx``). Each is written with
 ``<file>.json`` next to it: what rebuilds the model and prepares its input (model name and
@@ -17,6 +20,7 @@ input, which of its dimensions may vary, and its rebuild facts. The files go to
 ``<run>/export/<checkpoint>.<format>`` (or ``--out``); nothing else is written.
 """
 
+import json
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,6 +92,7 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
                  "optimizer_step": trained.meta["optimizer_step"],
                  **exportable.describe(trained)}
         if options.format == "pt2":
+            facts["mode"] = "eval"  # the program's module() refuses .eval() and .train()
             dims = exportable.dynamic(trained)
             program = export_program(trained.parts.model, inputs, dims)
             difference = largest_difference(trained.parts.model, program.module(),
@@ -111,8 +116,10 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
                   f"validation samples {difference:.1e}")
         else:
             tensors = weights(trained.parts.model)
-            write_atomically(out, lambda file: file.write(safetensors.torch.save(tensors)))
             facts["input"] = input_description(inputs, exportable.dynamic(trained))
+            metadata = safetensors_metadata(facts)
+            write_atomically(out, lambda file: file.write(
+                safetensors.torch.save(tensors, metadata=metadata)))
             print(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
                   f"{facts['optimizer_step']}) as safetensors: {len(tensors)} tensors, "
                   f"{sum(t.numel() for t in tensors.values()):,} values")
@@ -121,6 +128,13 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
         return 0
 
     return export
+
+
+def safetensors_metadata(facts: dict[str, Any]) -> dict[str, str]:
+    """The JSON's facts as the file's own metadata, so that the weights alone say what
+    rebuilds their model: safetensors metadata maps names to strings, so each value is its
+    JSON text (``json.loads(metadata["classes"])`` is the list of class names)."""
+    return {key: json.dumps(value) for key, value in facts.items()}
 
 
 def json_path(out: Path) -> Path:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from ignite.engine import Events
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine import create_evaluator
@@ -112,6 +113,10 @@ def test_pt2_gives_the_evaluators_outputs(run, request, capsys):
     assert facts["recipe"] == recipe and facts["checkpoint"].endswith("best.pt")
     assert facts["input"]["shape"][0] == "batch"
     assert facts["input"]["dtype"] == ("int64" if recipe == "charlm" else "float32")
+    # The JSON says what torch does not let a reader change: the module's mode.
+    assert facts["mode"] == "eval"
+    with pytest.raises(NotImplementedError):
+        program.eval()
 
 
 def test_pt2_of_charlm_takes_any_batch_and_length_up_to_the_block_size(request, tmp_path):
@@ -179,6 +184,9 @@ def test_safetensors_hold_the_checkpoints_weights_and_rebuild_the_model(run, req
     facts = json.loads((run_dir / "export" / "best.safetensors.json").read_text())
     model = rebuild(facts)
     model.load_state_dict(weights)  # strict: every key, every shape
+    # The file alone says the same: the JSON's facts are its metadata, each as JSON text.
+    with safe_open(run_dir / "export" / "best.safetensors", "pt") as file:
+        assert {key: json.loads(value) for key, value in file.metadata().items()} == facts
     if recipe != "charlm":
         trained = load_trained(load_recipe(recipe), str(run_dir))
         classes = trained.data.classes if recipe == "cifar" else trained.data.folders.classes
