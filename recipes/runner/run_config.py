@@ -148,6 +148,8 @@ class RunConfig:
     checkpoint_every: int = checkpoints_key(50, "save 'last' every N optimizer steps (and "
                                             "every epoch)", min=1)
     keep_last: int = checkpoints_key(3, "history checkpoints to keep", min=1)
+    keep_best: int = checkpoints_key(1, "best checkpoints to keep, ranked by the run's metric "
+                                     "(top-k; best.pt links the first)", min=1)
     init_from: str = checkpoints_key("", "start a new run from the model weights of a run "
                                      "folder (its best.pt, else last.pt) or a checkpoint "
                                      "file: no optimizer, step or schedule state; ignored "

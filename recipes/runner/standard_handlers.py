@@ -218,7 +218,8 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
     checkpointer = Checkpointer(
         site.run_dir / "checkpoints", to_save, run_id=site.run_id,
         config={**dataclasses.asdict(config), **(site.checkpoint_meta or {})},
-        keep_last=config.keep_last, best=goal, save_every=config.checkpoint_every,
+        keep_last=config.keep_last, keep_best=config.keep_best, best=goal,
+        save_every=config.checkpoint_every,
         wrap_save=save_wrapper(config.strategy),
         checkpoint_format=checkpoint_format(config.strategy))
     stop = GracefulStop(checkpointer.last_handler)  # every rank gets the signal, all save

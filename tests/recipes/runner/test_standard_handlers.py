@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 from ignite.engine import Engine, Events
 
 from recipes.__main__ import main
@@ -62,3 +63,18 @@ def test_a_run_folder_holds_metrics_jsonl_which_a_longer_resumed_run_continues(t
     again = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in again if "train/loss" in r] == [r["step"] for r in train]
     assert [{**r, "time": 0} for r in again] == [{**r, "time": 0} for r in records]
+
+
+def test_keep_best_keeps_the_top_k_evaluations_and_best_links_the_first(tmp_path):
+    text = write_text(tmp_path / "corpus.txt")
+    run_dir = tmp_path / "run"
+    assert main([*CHARLM, "--text", str(text), "--run-dir", str(run_dir), "--epochs", "4",
+                 "--keep-best", "2", "--lr", "0.05"]) == 0
+    checkpoints = run_dir / "checkpoints"
+    records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    losses = sorted(r["val/loss"] for r in records if "val/loss" in r)
+    kept = {path.name: torch.load(path, weights_only=True)["meta"]["metric"]["value"]
+            for path in checkpoints.glob("best-step-*.pt")}
+    assert len(losses) == 4 and sorted(kept.values()) == losses[:2], (kept, losses)
+    best = torch.load(checkpoints / "best.pt", weights_only=True)["meta"]["metric"]["value"]
+    assert best == losses[0]
