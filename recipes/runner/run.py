@@ -330,7 +330,8 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started,
                    checkpoint_meta={"data": started.fingerprint}, num_classes=parts.num_classes,
                    cost=cost_meter(config, ctx, parts), sinks=sinks or {})
     evaluation = Evaluation(parts.val_batches, config.eval_every, config.epochs,
-                            before=parts.before_evaluation, forwards=parts.evaluation_forwards)
+                            before=parts.before_evaluation, forwards=parts.evaluation_forwards,
+                            every_steps=config.eval_every_steps)
     handlers = attach_standard_handlers(trainer, evaluator, config, site, evaluation, extra)
     if ctx.rank == 0:  # one trace: the other ranks run the same steps
         attach_profiler(config, trainer, started.run_dir, ctx.device)

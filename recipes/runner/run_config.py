@@ -113,6 +113,9 @@ class RunConfig:
         False, "keep only each transformer block's input for the backward and recompute the "
         "rest there: less activation memory for about one more forward (charlm)")
     eval_every: int = run_key(1, "evaluate every N epochs (and after the last)", min=1)
+    eval_every_steps: int | None = run_key(None, "also evaluate every N optimizer steps "
+                                           "inside an epoch, for long epochs (none: only at "
+                                           "epoch ends)", min=1)
     log_every: int = run_key(10, "report training statistics every N optimizer steps", min=1,
                              fixed_on_resume=True)
     progress: str = run_key("auto", "progress display", choices=PROGRESS)

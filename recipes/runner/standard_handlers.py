@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from ignite.engine import Engine, Events
 from torch import nn
 
-from engine import RngState, Trainer
+from engine import RngState, Trainer, TrainEvents
 from handlers import (
     Checkpointer,
     EarlyStopping,
@@ -68,15 +68,22 @@ class RunSite:
 
 class Evaluation:
     """Runs the evaluator on ``val_batches`` at the trainer's ``Events.EPOCH_COMPLETED``,
-    every ``every`` epochs and after the last of ``epochs``; ``before(final)`` runs first
-    (a recipe's hook, e.g. switching on test-time augmentation for the final one);
-    ``forwards(final)``, the forwards per sample that hook makes, scales the time left."""
+    every ``every`` epochs and after the last of ``epochs``, and with ``every_steps`` also at
+    every that many optimizer steps inside an epoch (an epoch's last step is its epoch-end
+    evaluation's); ``before(final)`` runs first (a recipe's hook, e.g. switching on
+    test-time augmentation for the final one); ``forwards(final)``, the forwards per sample
+    that hook makes, scales the time left (which counts the epoch-end evaluations only).
+
+    Attached before the checkpointer, so that a save at the same step comes after the
+    evaluation and a resume never skips one."""
 
     def __init__(self, val_batches: Iterable[Any], every: int, epochs: int,
                  before: Callable[[bool], None] | None = None,
-                 forwards: Callable[[bool], float] | None = None) -> None:
+                 forwards: Callable[[bool], float] | None = None,
+                 every_steps: int | None = None) -> None:
         self.val_batches, self.every, self.epochs, self.before = (
             val_batches, every, epochs, before)
+        self.every_steps = every_steps
         self.forwards = forwards or (lambda final: 1.0)
         self._evaluator: Engine | None = None
 
@@ -85,6 +92,16 @@ class Evaluation:
             raise ValueError("Evaluation runs the evaluator: attach(trainer, evaluator)")
         self._evaluator = evaluator
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self.run_if_due)
+        if self.every_steps is not None:
+            trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP, self._run_if_step_due)
+
+    def _run_if_step_due(self, trainer: Engine) -> None:
+        state = trainer.state
+        if state.optimizer_step % self.every_steps == 0 and (
+                state.iteration % state.epoch_length != 0):
+            if self.before is not None:
+                self.before(False)
+            self._evaluator.run(self.val_batches)
 
     def due(self, epoch: int) -> bool:
         return epoch % self.every == 0 or epoch == self.epochs

@@ -4,6 +4,7 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 
+from engine import TrainEvents
 from recipes.__main__ import main
 from recipes.runner.standard_handlers import METRICS_FILE, Evaluation
 from tests.recipes.runner.test_run import CHARLM, write_text
@@ -78,3 +79,41 @@ def test_keep_best_keeps_the_top_k_evaluations_and_best_links_the_first(tmp_path
     assert len(losses) == 4 and sorted(kept.values()) == losses[:2], (kept, losses)
     best = torch.load(checkpoints / "best.pt", weights_only=True)["meta"]["metric"]["value"]
     assert best == losses[0]
+
+
+def test_eval_every_steps_evaluates_inside_epochs_and_at_their_ends(tmp_path):
+    text = write_text(tmp_path / "corpus.txt")
+    run_dir = tmp_path / "run"
+    assert main([*CHARLM, "--text", str(text), "--run-dir", str(run_dir), "--epochs", "2",
+                 "--eval-every-steps", "5", "--checkpoint-every", "5", "--keep-last", "99",
+                 "--keep-best", "99"]) == 0
+    records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    per_epoch = max(r["step"] for r in records if "val/loss" not in r and "step" in r) // 2
+    inside = [step for step in range(5, 2 * per_epoch, 5) if step % per_epoch]
+    assert [r["step"] for r in records if "val/loss" in r] == sorted(
+        [*inside, per_epoch, 2 * per_epoch])
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["config"]["eval_every_steps"] == 5
+    # Step 5's evaluation (the first: a best) came before its cadence save, which then found
+    # the step saved (as best-step-5, which last.pt linked) and was skipped: a resume from
+    # step 5 never skips that evaluation.
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "best-step-00000005.pt").exists()
+    assert not (checkpoints / "step-00000005.pt").exists()
+    assert (checkpoints / "step-00000010.pt").exists() or (
+        checkpoints / "best-step-00000010.pt").exists()
+
+
+def test_evaluation_every_steps_skips_an_epochs_last_step():
+    def one_step_per_iteration(engine, batch):
+        engine.state.optimizer_step = engine.state.iteration
+        engine.fire_event(TrainEvents.OPTIMIZER_STEP)
+
+    trainer, evaluator = Engine(one_step_per_iteration), Engine(lambda engine, batch: None)
+    trainer.register_events(*TrainEvents)
+    seen = []
+    evaluator.add_event_handler(Events.COMPLETED, lambda: seen.append(trainer.state.iteration))
+
+    Evaluation([0], every=1, epochs=2, every_steps=2).attach(trainer, evaluator)
+    trainer.run([0] * 4, max_epochs=2)
+    assert seen == [2, 4, 6, 8]  # steps 4 and 8 are epoch ends: evaluated once, there
