@@ -38,7 +38,14 @@ def data_folder(config: Config) -> Path:
 
 
 def data_source(config: Config) -> str:
-    return "synthetic images" if config.dataset == "synthetic" else str(data_folder(config))
+    """Where the images come from, and which split validates: by default CIFAR-10's test
+    split (as airbench94 and most CIFAR results report), which then also picks best.pt and
+    stops early: the header says so rather than call test data validation silently."""
+    source = "synthetic images" if config.dataset == "synthetic" else str(data_folder(config))
+    if config.val_fraction:
+        return f"{source} (validation: the last {config.val_fraction:.0%} of train held out)"
+    return (f"{source} (validation: the test split, which also picks best.pt; --val-fraction "
+            "0.1 holds out training images instead)")
 
 
 def load_data(config: Config) -> CifarArrays:

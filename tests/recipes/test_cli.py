@@ -375,7 +375,9 @@ def test_tiny_run_console_opens_with_the_run_and_ends_with_the_best_and_what_nex
     parameters = sum(p.numel() for p in build_model("airbench").parameters())
     start = lines.index(f"cifar run in {folder}")
     assert lines[start + 1:start + 5] == [
-        "  data     256 training, 128 validation samples from synthetic images",
+        "  data     256 training, 128 validation samples from synthetic images (validation: "
+        "the test split, which also picks best.pt; --val-fraction 0.1 holds out training "
+        "images instead)",
         f"  model    airbench, {parameters:,} parameters",
         "  device   cpu, fp32; 2 epochs of batch 64",
         "  watch    make tensorboard (then open http://127.0.0.1:6006)"]
