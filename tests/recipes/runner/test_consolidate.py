@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from handlers.checkpoint_files import read_checkpoint
+from handlers.checkpoint import read_checkpoint
 from recipes.__main__ import main
 from recipes.runner.registry import load_recipe
 from recipes.runner.trained import load_trained
