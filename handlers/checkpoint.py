@@ -32,7 +32,7 @@ from handlers.checkpoint_files import (
     CheckpointError,
     SingleFile,
     claimed_position,
-    read_checkpoint,  # noqa: F401 (part of this module's interface: verified reads)
+    read_file,
     sidecar_of,
     unloadable_entry,
 )
@@ -42,6 +42,26 @@ from handlers.goal import Goal
 logger = logging.getLogger(__name__)
 SaveHandler = Callable[[Engine], None]
 
+
+def read_checkpoint(path: str | os.PathLike, *, expected_run_id: str | None = None,
+                    required_keys: tuple[str, ...] = (), whole: bool = True) -> dict[str, Any]:
+    """Verify ``path`` against its sidecar and load it onto the CPU with ``weights_only=True``.
+
+    Raises ``CheckpointError`` whose ``reason`` is e.g. ``truncated (0 bytes)``,
+    ``no checksum sidecar ...``, ``checksum mismatch``, ``from another run <id>`` or
+    ``not a checkpoint: <error>``. Use it to read weights for evaluation:
+    ``read_checkpoint("checkpoints/best.pt")["model"]``. A sharded checkpoint folder
+    (``best.dcp``) reads the same way, its shards gathered into whole tensors
+    (``handlers.sharded_checkpoint.read_sharded``); ``whole=False`` verifies every file of
+    it but loads no shard (for its ``meta``: the whole model may not fit one process).
+    """
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".dcp":
+        from handlers.sharded_checkpoint import read_sharded  # torch.distributed only here
+
+        return read_sharded(path, expected_run_id=expected_run_id, required_keys=required_keys,
+                            whole=whole)
+    return read_file(path, expected_run_id=expected_run_id, required_keys=required_keys)
 
 
 class CheckpointFormat(Protocol):

@@ -10,13 +10,14 @@ Layout of a checkpoint folder::
 
 Each file is written by ``handlers.atomic_write.write_atomically`` (temp file, fsync, rename,
 fsync of the folder), so a crash at any instant leaves the previous file whole. A .pt is
-trusted only when its sidecar exists and the sha256 and size match (``read_checkpoint``).
+trusted only when its sidecar exists and the sha256 and size match (``read_file``).
 ``link_atomically`` switches ``last.pt``/``best.pt`` with ``os.link`` to a temp name and
 ``os.replace``: hard links keep their data alive whatever retention deletes (the folder must
 support hard links). The ``Checkpointer`` (``handlers.checkpoint``) decides what to write when;
 ``SingleFile`` is this format as the ``Checkpointer`` is given it, and
 ``handlers.sharded_checkpoint.ShardedFolder`` the sharded one (a folder per checkpoint, written
-by every process of a ``fully_shard`` run), which ``read_checkpoint`` also reads.
+by every process of a ``fully_shard`` run); ``handlers.checkpoint.read_checkpoint`` reads
+both.
 """
 
 import hashlib
@@ -56,24 +57,16 @@ class CheckpointError(RuntimeError):
         self.path, self.reason = Path(path), reason
 
 
-def read_checkpoint(path: str | os.PathLike, *, expected_run_id: str | None = None,
-                    required_keys: tuple[str, ...] = (), whole: bool = True) -> dict[str, Any]:
-    """Verify ``path`` against its sidecar and load it onto the CPU with ``weights_only=True``.
+def read_file(path: str | os.PathLike, *, expected_run_id: str | None = None,
+              required_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Verify the .pt file ``path`` against its sidecar and load it onto the CPU with
+    ``weights_only=True`` (``handlers.checkpoint.read_checkpoint`` reads either format).
 
     Raises ``CheckpointError`` whose ``reason`` is e.g. ``truncated (0 bytes)``,
     ``no checksum sidecar ...``, ``checksum mismatch``, ``from another run <id>`` or
-    ``not a checkpoint: <error>``. Use it to read weights for evaluation:
-    ``read_checkpoint("checkpoints/best.pt")["model"]``. A sharded checkpoint folder
-    (``best.dcp``) reads the same way, its shards gathered into whole tensors
-    (``handlers.sharded_checkpoint.read_sharded``); ``whole=False`` verifies every file of
-    it but loads no shard (for its ``meta``: the whole model may not fit one process).
+    ``not a checkpoint: <error>``.
     """
     path = Path(path)
-    if path.is_dir() or path.suffix == ".dcp":
-        from handlers.sharded_checkpoint import read_sharded  # torch.distributed only here
-
-        return read_sharded(path, expected_run_id=expected_run_id, required_keys=required_keys,
-                            whole=whole)
     try:
         size = path.stat().st_size
         if size == 0:
@@ -154,8 +147,7 @@ class SingleFile:
 
     def read(self, path: Path, *, expected_run_id: str | None,
              required_keys: tuple[str, ...]) -> dict[str, Any]:
-        return read_checkpoint(path, expected_run_id=expected_run_id,
-                               required_keys=required_keys)
+        return read_file(path, expected_run_id=expected_run_id, required_keys=required_keys)
 
     def restore(self, path: Path, payload: dict[str, Any], targets: dict[str, Any]) -> None:
         restore_each(path, payload, targets)

@@ -24,3 +24,8 @@ def test_the_readme_example_prints_what_the_readme_shows(tmp_path):
 
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected.group(1)
+
+
+def test_the_example_comes_within_the_readmes_first_80_lines():
+    lines = README.read_text().splitlines()
+    assert lines.index("<!-- /python-example -->") < 80

@@ -1,10 +1,12 @@
-"""Where a benchmark ran: CPU, cores, load, library versions, date."""
+"""Where a benchmark ran: CPU, cores, load, library versions, date, and which revision."""
 
 import datetime
 import os
 import platform
+import subprocess
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
@@ -20,6 +22,7 @@ class Machine:
     python: str
     versions: dict[str, str]
     date_utc: str
+    revision: str  # the commit measured; "+ changes" when the tree differs from it
 
 
 def cpu_model() -> str:
@@ -42,6 +45,20 @@ def load_average() -> str:
         return "unknown"
 
 
+def git_revision() -> str:
+    """The checkout's commit (short hash), with ``+ changes`` when tracked files differ from
+    it: the code a figure belongs to."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + (" + changes" if git("status", "--porcelain", "--untracked-files=no")
+                         else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
 def package_version(name: str) -> str:
     try:
         return metadata.version(name)
@@ -59,4 +76,5 @@ def describe_machine() -> Machine:
         python=platform.python_version(),
         versions={name: package_version(name) for name in PACKAGES},
         date_utc=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        revision=git_revision(),
     )

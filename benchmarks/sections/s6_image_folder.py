@@ -159,8 +159,9 @@ def render(result: LoaderResult, data_dir: Path) -> str:
     waited, stepped = sum(result.wait_seconds), sum(result.step_seconds)
     return f"""## 6. Image-folder data path
 
-`{data_dir}` (JPEG folders), batch {plan.batch_size}, {plan.timed_batches} timed batches per
-repeat after a first one left out (worker start-up), {plan.repeats} repeats interleaved;
+CIFAR-10 as JPEG folders (`{data_dir.name}/`), batch {plan.batch_size}, {plan.timed_batches} \
+timed batches per repeat after a first one left out (worker start-up), {plan.repeats} repeats \
+interleaved;
 load average after: {result.load}. Image folder: `recipes.images.data.TrainLoader`
 (StatefulDataLoader; Pillow decode, reflect-pad-and-crop and flip per sample, seeded by
 (seed, epoch, index)), then `NormaliseOnDevice`. In memory: `TrainBatches` over the same

@@ -8,7 +8,7 @@ import torch
 from torch.export import Dim
 
 from recipes.runner.api import Recipe
-from recipes.runner.commands import CommandParser, positive_int
+from recipes.runner.command_parser import CommandParser, positive_int
 from recipes.runner.config import ConfigError
 from recipes.runner.export import Exportable, export_command
 from recipes.runner.trained import Trained, load_trained

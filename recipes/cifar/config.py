@@ -18,7 +18,7 @@ FLIPS = ("random", "alternating")
 
 @dataclass
 class Config(OptimizerChoice, RunConfig):
-    # Muon for the conv filters reaches in 8 epochs what SGD alone reaches in 10 (README).
+    # Muon for the conv filters reaches in 8 epochs what SGD alone reaches in 10 (docs/results.md).
     epochs: int = field(8, "epochs to train", min=1)
     optimizer: str = field(
         "muon", "muon: Muon (momentum orthogonalised by Newton-Schulz) for the conv filters, "

@@ -22,7 +22,7 @@ from ignite.engine import Events
 from engine import create_evaluator
 from recipes.common.image_files import IMAGE_SUFFIXES, has_image_suffix, read_image
 from recipes.runner.api import Recipe
-from recipes.runner.commands import CommandParser, output_path, positive_int
+from recipes.runner.command_parser import CommandParser, output_path, positive_int
 from recipes.runner.errors import DataError
 from recipes.runner.trained import Trained, load_trained
 

@@ -2,18 +2,14 @@
 ``export``, and the training split for ``evaluate --split training``."""
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 
 from recipes.common.predict import predict_command
 from recipes.images.config import SMALL_IMAGE_MAX
-from recipes.images.data import eval_transform
+from recipes.images.data import ImageData, eval_transform
 from recipes.runner.export import Exportable, export_command
 from recipes.runner.trained import Trained
-
-if TYPE_CHECKING:  # the recipe imports this module
-    from recipes.images.recipe import ImageData
 
 
 def image_batch(trained: Trained, images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,7 +20,7 @@ def image_batch(trained: Trained, images: list[torch.Tensor]) -> tuple[torch.Ten
             torch.zeros(len(images), dtype=torch.int64))
 
 
-def training_split(data: "ImageData") -> "ImageData":
+def training_split(data: ImageData) -> ImageData:
     """The data with the training files, seen through the evaluation transform, as its
     validation split."""
     return dataclasses.replace(data, folders=dataclasses.replace(data.folders,

@@ -58,6 +58,17 @@ class ImageFolders:
     skipped: list[str]
 
 
+@dataclass(frozen=True)
+class ImageData:
+    """The listed tree, the side its images are brought to and their normalisation."""
+
+    folders: ImageFolders
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    pretrained: dict | None = None  # --weights: torchvision's state_dict for --model
+
+
 def list_image_folders(root: Path, val_fraction: float | None = None) -> ImageFolders:
     """List ``root/train/<class>/*`` and ``root/val/<class>/*`` (or ``test/``); with
     ``val_fraction``, hold that fraction of each training class out for validation

@@ -11,7 +11,6 @@ number of workers (``recipes.images.data``). The run itself (folder, resume, han
 processes) is ``recipes.runner.run``'s.
 """
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import ignite.distributed as idist
@@ -29,6 +28,7 @@ from recipes.images.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     EpochBatchSampler,
+    ImageData,
     ImageFiles,
     ImageFolders,
     NormaliseOnDevice,
@@ -45,17 +45,6 @@ from recipes.images.pretrained import pretrained_classifier, read_pretrained, we
 from recipes.runner.api import Context, Parts, Recipe
 from recipes.runner.errors import DataError
 from recipes.runner.fingerprint import fingerprint_files
-
-
-@dataclass(frozen=True)
-class ImageData:
-    """The listed tree, the side its images are brought to and their normalisation."""
-
-    folders: ImageFolders
-    image_size: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    pretrained: dict | None = None  # --weights: torchvision's state_dict for --model
 
 
 def data_folder(config: Config) -> Path:

@@ -8,24 +8,21 @@ nothing in the run folder except ``evaluate``'s JSON in ``<run>/evaluations/`` a
 ``export``'s and ``consolidate``'s files in ``<run>/export/``.
 """
 
-import argparse
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import NoReturn
 
 from engine import create_evaluator
 from recipes.runner.api import Recipe
+from recipes.runner.command_parser import CommandParser
 from recipes.runner.config import ConfigError
+from recipes.runner.consolidate import consolidate
 from recipes.runner.folder import write_json_atomic
-from recipes.runner.trained import CHECKPOINTS, Trained, load_trained
+from recipes.runner.trained import Trained, load_trained
 
 VALIDATION = "validation"
 
 
 def commands_of(recipe: Recipe) -> dict[str, Callable[[Recipe, list[str]], int]]:
-    from recipes.runner.consolidate import consolidate  # it builds on this module's parser
-
     return {"evaluate": evaluate, "consolidate": consolidate, **recipe.commands}
 
 
@@ -36,39 +33,6 @@ def run_command(recipe: Recipe, name: str, args: list[str]) -> int:
         raise ConfigError(f"unknown command {name!r} for {recipe.name}; commands: "
                           f"{', '.join(commands)} (training takes --key value flags only)")
     return commands[name](recipe, args)
-
-
-class CommandParser(argparse.ArgumentParser):
-    """A command's arguments: the run or checkpoint, ``--checkpoint`` and ``--device``
-    (default ``device``; None: the run's own), and the command's own; a mistake raises
-    ``ConfigError`` (one line, exit 2)."""
-
-    def __init__(self, recipe: Recipe, command: str, description: str,
-                 device: str | None = None) -> None:
-        super().__init__(prog=f"python -m recipes {recipe.name} {command}",
-                         description=description)
-        self.command = command
-        self.add_argument("source", metavar="RUN_OR_CHECKPOINT",
-                          help="a run folder (runs/<recipe>/<name>) or a checkpoint .pt file")
-        self.add_argument("--checkpoint", choices=CHECKPOINTS, default="best",
-                          help="which checkpoint of a run folder (default: best)")
-        shown = device or "the run's own"
-        self.add_argument("--device", default=device,
-                          help=f"cpu | cuda | cuda:N | auto (default: {shown})")
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{self.command}: {message}")
-
-
-def positive_int(text: str) -> int:
-    """An argument type: an integer >= 1 (argparse names the flag in its message)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
 
 
 def evaluate(recipe: Recipe, args: list[str]) -> int:
@@ -124,13 +88,3 @@ def evaluation_name(trained: Trained) -> str:
     tta = getattr(trained.parts.predict, "name", None)
     which = "final evaluation" if trained.final_evaluation else "per-epoch evaluation"
     return which + (f", tta {tta}" if tta else "")
-
-
-def output_path(text: str, suffixes: tuple[str, ...]) -> Path:
-    """``--out``: a file ending in one of ``suffixes`` whose folder exists."""
-    path = Path(text).expanduser()
-    if path.suffix.lower() not in suffixes:
-        raise ConfigError(f"--out {text}: must end in {' or '.join(suffixes)}")
-    if not path.parent.is_dir():
-        raise ConfigError(f"--out {text}: the folder {path.parent} does not exist")
-    return path

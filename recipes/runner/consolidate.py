@@ -15,10 +15,11 @@ other tools. The file goes to ``<run>/export/<checkpoint>.pt`` (or ``--out``), w
 
 from pathlib import Path
 
-from handlers.checkpoint_files import SingleFile, read_checkpoint
+from handlers.checkpoint import read_checkpoint
+from handlers.checkpoint_files import SingleFile
 from handlers.crash_points import CrashPoints
 from recipes.runner.api import Recipe
-from recipes.runner.commands import CommandParser, output_path
+from recipes.runner.command_parser import CommandParser, output_path
 from recipes.runner.trained import find_checkpoint, saved_config
 
 

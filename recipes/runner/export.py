@@ -33,7 +33,7 @@ from torch.export import Dim
 
 from handlers.atomic_write import write_atomically
 from recipes.runner.api import Recipe
-from recipes.runner.commands import CommandParser, output_path
+from recipes.runner.command_parser import CommandParser, output_path
 from recipes.runner.export_onnx import largest_onnx_difference, require_onnx, to_onnx
 from recipes.runner.folder import write_json_atomic
 from recipes.runner.trained import Trained, load_trained

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from handlers.checkpoint import read_checkpoint
 from handlers.checkpoint_files import (
     CheckpointError,
     checkpoint_in,
     is_checkpoint,
-    read_checkpoint,
     read_sidecar,
 )
 from recipes.runner.api import Context, Recipe

@@ -11,12 +11,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from handlers.checkpoint import read_checkpoint
 from handlers.checkpoint_files import (
     CHECKPOINT_NAME,
     LINK_NAMES,
     CheckpointError,
     claimed_position,
-    read_checkpoint,
 )
 from recipes.runner.config import ConfigError
 

@@ -400,8 +400,8 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
 
 def _follow_new_lr_and_length(config: RunConfig, saved: dict, trainer: Trainer,
                               handlers: StandardHandlers, epoch_length: int) -> None:
-    """The resume rule for ``--lr`` and ``--epochs`` (README, "Resuming"): the LR schedule
-    becomes the one a fresh run with the new values would follow, from the step reached."""
+    """The resume rule for ``--lr`` and ``--epochs`` (docs/reliability.md, "Resuming"): the LR
+    schedule becomes the one a fresh run with the new values would follow, from the step reached."""
     trainer.state.max_epochs = config.epochs  # else Ignite restarts a run that was done
     if (saved.get("lr"), saved.get("epochs")) == (config.lr, config.epochs):
         return

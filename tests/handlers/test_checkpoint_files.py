@@ -16,7 +16,7 @@ import torch.serialization
 from torch import nn
 
 from engine import create_trainer
-from handlers.checkpoint import Checkpointer
+from handlers.checkpoint import Checkpointer, read_checkpoint
 from handlers.checkpoint_files import (
     FORMAT_VERSION,
     CheckpointError,
@@ -25,7 +25,6 @@ from handlers.checkpoint_files import (
     first_non_finite,
     is_checkpoint,
     load_payload,
-    read_checkpoint,
     sha256_of,
     sidecar_of,
 )

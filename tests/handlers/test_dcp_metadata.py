@@ -2,7 +2,6 @@
 metadata classes: a real save reads back as DCP's own reader reads it, and a file naming any
 other global (here ``os.mkdir``, which would create a marker folder) is refused unrun."""
 
-import os
 import pickle
 from pathlib import Path
 
@@ -13,16 +12,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from handlers.checkpoint_files import CheckpointError
 from handlers.dcp_metadata import MAX_METADATA_BYTES, SafeFileSystemReader, read_metadata
-
-
-class RunsCodeWhenUnpickled:
-    """Unpickling calls ``os.mkdir(marker)``: what a booby-trapped ``.metadata`` would do."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return os.mkdir, (self.marker,)
+from tests.helpers import RunsCodeWhenUnpickled
 
 
 @pytest.fixture

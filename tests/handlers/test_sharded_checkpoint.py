@@ -23,8 +23,8 @@ from torch.distributed.fsdp import fully_shard
 import handlers.sharded_checkpoint as sharded_checkpoint
 from engine import Trainer, create_trainer
 from engine.run_state import RngState
-from handlers.checkpoint import Checkpointer, CheckpointError
-from handlers.checkpoint_files import SingleFile, read_checkpoint
+from handlers.checkpoint import Checkpointer, CheckpointError, read_checkpoint
+from handlers.checkpoint_files import SingleFile
 from handlers.crash_points import CRASH_PHASES
 from handlers.sharded_checkpoint import ShardedFolder
 from recipes.runner.launch import exit_process

@@ -14,11 +14,9 @@ reference and the resumed runs must use the same thread count to be bit-identica
 
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +34,7 @@ from tensorboard.util.tensor_util import make_ndarray
 
 from handlers.checkpoint import read_checkpoint
 from handlers.checkpoint_files import checkpoint_in
+from tests.helpers import copy_run, digests
 
 RUN_RECIPE = Path(__file__).with_name("run_recipe.py")
 ITERATIONS_PER_EPOCH, EPOCHS = 8, 3  # 256 samples / batch 32; every iteration is a step
@@ -195,30 +194,6 @@ def run_and_signal(case: RecipeCase, run_dir: Path, signum: int, after_lines: in
     result = Result(child.returncode, "".join(lines) + rest, stderr_path.read_text())
     result.extra.update(exit_sec=exit_sec, progress_lines=progress_lines)
     return result
-
-
-def copy_run(source: Path, destination: Path) -> Path:
-    """Copy a run folder, keeping hard links as hard links (last.pt shares a file with a step)."""
-    copied: dict[tuple[int, int], Path] = {}
-    for path in sorted(source.rglob("*")):
-        target = destination / path.relative_to(source)
-        if path.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        key = (path.stat().st_dev, path.stat().st_ino)
-        if key in copied:
-            os.link(copied[key], target)
-        else:
-            shutil.copy2(path, target)
-            copied[key] = target
-    return destination
-
-
-def file_digests(folder: Path) -> dict[str, str]:
-    """sha256 of every file under ``folder`` by relative path (what "untouched" means)."""
-    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(folder.rglob("*")) if path.is_file()}
 
 
 def final_checkpoint(run_dir: Path) -> dict[str, Any]:
@@ -427,7 +402,7 @@ def harness(recipe_case) -> SimpleNamespace:
         recipe=recipe_case.name, fixed_keys={**FIXED_RUN_KEYS, **recipe_case.fixed_keys},
         run_recipe=functools.partial(run_recipe, recipe_case),
         run_and_signal=functools.partial(run_and_signal, recipe_case), copy_run=copy_run,
-        file_digests=file_digests, final_checkpoint=final_checkpoint, differences=differences,
+        file_digests=digests, final_checkpoint=final_checkpoint, differences=differences,
         checkpoint_files=checkpoint_files, tensorboard_scalars=tensorboard_scalars,
         Reference=Reference, SIGNALS=SIGNALS,
         ITERATIONS_PER_EPOCH=ITERATIONS_PER_EPOCH, TOTAL_ITERATIONS=TOTAL_ITERATIONS,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from handlers.checkpoint import read_checkpoint
+from tests.helpers import RunsCodeWhenUnpickled
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -106,22 +107,13 @@ def test_no_good_checkpoint_exits_2_naming_each_file_and_touches_nothing(interru
     assert harness.file_digests(run_dir / "checkpoints") == before
 
 
-class _RunsCodeWhenUnpickled:
-    """Unpickling calls ``os.mkdir(marker)``: what a booby-trapped checkpoint would do."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return os.mkdir, (self.marker,)
-
 
 def test_checkpoint_that_would_run_code_is_refused_unrun(interrupted_run, reference, harness,
                                                          tmp_path):
     run_dir = harness.copy_run(interrupted_run, tmp_path / "run")
     folder, marker = run_dir / "checkpoints", tmp_path / "code-ran"
     payload = read_checkpoint(folder / "last.pt")
-    payload["model"]["extra"] = _RunsCodeWhenUnpickled(marker)
+    payload["model"]["extra"] = RunsCodeWhenUnpickled(marker)
     sidecar = json.loads((folder / "last.pt.json").read_text())
     (folder / "last.pt").unlink()  # keeps step 15, its other name, intact
     torch.save(payload, folder / "last.pt")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from handlers.checkpoint import read_checkpoint
-from tests.recipes.runner.test_run import CHARLM, write_text
+from tests.helpers import CHARLM, write_text
 
 pytestmark = pytest.mark.reliability
 

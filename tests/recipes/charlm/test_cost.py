@@ -8,7 +8,7 @@ from handlers.cost import training_flops
 from recipes.charlm.model import GPT
 from recipes.charlm.recipe import Config, build, load_data, next_byte_logits
 from recipes.runner.api import Context
-from tests.recipes.charlm.test_recipe import write_text_folder
+from tests.helpers import write_text_folder
 
 
 def test_the_flops_estimate_is_6n_plus_attention_per_token_with_n_by_hand():

@@ -21,21 +21,12 @@ from recipes.charlm.model import GPT
 from recipes.charlm.recipe import Config, build, load_data, next_byte_logits
 from recipes.charlm.text import Segment, TextParts, split_files, split_text
 from recipes.runner.api import Context
+from tests.helpers import write_text_folder
 
 CLI_TIMEOUT_SEC = 300  # a hung run fails its test instead of hanging the suite
 TINY_MODEL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
               "--batch-size", "8"]
 TINY_RUN = [*TINY_MODEL, "--epochs", "2", "--progress", "off", "--device", "cpu"]
-
-
-def write_text_folder(root: Path, n_files: int = 20, lines_per_file: int = 6) -> Path:
-    """``n_files`` small Python-like files, some in a subfolder."""
-    for index in range(n_files):
-        path = root / ("sub" if index % 3 else "") / f"module_{index}.py"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(f"def f{index}_{line}(x):\n    return x + {line}\n"
-                                for line in range(lines_per_file)))
-    return root
 
 
 def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

@@ -16,10 +16,10 @@ from recipes.cifar.data import (
     subset,
 )
 from recipes.common import paths
-from recipes.common.paths import CACHE_ENV
+from recipes.common.paths import CACHE_ENV, SHARED_DATA
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
-REAL_CIFAR = Path("/work/shared/data/cifar10")
+REAL_CIFAR = SHARED_DATA / "cifar10"  # the real data set, where this machine has it
 
 
 @pytest.fixture(autouse=True)

@@ -15,12 +15,12 @@ from recipes.__main__ import main
 from recipes.images import pretrained
 from recipes.images.recipe import RECIPE
 from recipes.runner.api import Context
+from tests.helpers import IMAGES
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
 CLASSES = 3  # the image tree's (conftest)
-RUN = ["images", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "8",
-       "--epochs", "1", "--num-workers", "0", "--progress", "off", "--device", "cpu"]
+RUN = [*IMAGES, "--image-size", "32", "--epochs", "1", "--device", "cpu"]
 
 
 def save_torchvision_weights(path: Path, model_name: str) -> dict[str, torch.Tensor]:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import ignite.distributed as idist
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -23,9 +22,7 @@ from recipes.runner.checkpoint_strategy import (
 )
 from recipes.runner.config import ConfigError
 from recipes.runner.launch import RankZeroSave, exit_process
-from tests.recipes.runner.test_commands import CHARLM, digests
-from tests.recipes.runner.test_consolidate import leave_the_group
-from tests.recipes.runner.test_run import one_error_line
+from tests.helpers import CHARLM_RUN, digests, leave_the_group, one_error_line, write_text
 
 
 def test_each_strategy_has_its_format_and_its_save():
@@ -108,17 +105,13 @@ def test_every_rank_saves_and_a_failure_on_any_one_stops_them_all(tmp_path):
 
 @pytest.fixture(scope="module")
 def text(tmp_path_factory) -> Path:
-    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if"]
-    picks = torch.randint(len(words), (800,), generator=torch.Generator().manual_seed(0))
-    path = tmp_path_factory.mktemp("text") / "text.txt"
-    path.write_text(" ".join(words[i] for i in picks.tolist()))
-    return path
+    return write_text(tmp_path_factory.mktemp("text") / "text.txt", words=800)
 
 
 @pytest.mark.parametrize(("trained", "resumed"), [("ddp", "fsdp"), ("fsdp", "ddp")])
 def test_resuming_under_the_other_strategy_is_refused_in_one_line_writing_nothing(
         tmp_path, capsys, text, trained, resumed):
-    run = [*CHARLM, "--text", str(text), "--run-dir", str(tmp_path / "run")]
+    run = [*CHARLM_RUN, "--text", str(text), "--run-dir", str(tmp_path / "run")]
     assert main([*run, "--strategy", trained]) == 0
     leave_the_group()
     before = digests(tmp_path / "run")

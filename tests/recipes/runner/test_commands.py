@@ -9,7 +9,6 @@ start-up); ``test_cli.py`` covers the real process's exit status and stderr.
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,39 +20,17 @@ from engine import create_evaluator
 from recipes.__main__ import main
 from recipes.runner.registry import load_recipe
 from recipes.runner.trained import load_trained
-from tests.recipes.runner.test_run import one_error_line
+from tests.helpers import (
+    CIFAR_RUN,
+    copy_run,
+    digests,
+    evaluated,
+    one_error_line,
+    recorded,
+    train,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
-
-CIFAR = ["cifar", "--dataset", "synthetic", "--train-subset", "128", "--val-subset", "32",
-         "--batch-size", "32", "--epochs", "2", "--warmup-epochs", "0.5", "--progress", "off"]
-IMAGES = ["images", "--model", "squeezenet1_1", "--num-workers", "0", "--batch-size", "8",
-          "--epochs", "2", "--lr", "0.02", "--warmup-epochs", "0.5", "--progress", "off"]
-CHARLM = ["charlm", "--val-fraction", "0.2", "--block-size", "8", "--n-layer", "1",
-          "--n-head", "2", "--n-embd", "16", "--batch-size", "16", "--epochs", "2",
-          "--progress", "off", "--device", "cpu"]
-
-
-def train(args: list[str], run_dir: Path) -> Path:
-    assert main([*args, "--run-dir", str(run_dir)]) == 0
-    return run_dir
-
-
-def digests(folder: Path) -> dict[str, bytes]:
-    """Every file of a run folder but evaluate's JSON (and TensorBoard's, unchanged anyway)."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and "evaluations" not in p.parts}
-
-
-def recorded(run_dir: Path) -> dict[str, float]:
-    """The run's best metrics as it recorded them in summary.json."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {key.removeprefix("best_val_"): value for key, value in summary.items()
-            if key.startswith("best_val_")}
-
-
-def evaluated(run_dir: Path, name: str = "best-validation") -> dict:
-    return json.loads((run_dir / "evaluations" / f"{name}.json").read_text())
 
 
 def evaluator_probabilities(recipe: str, run_dir: Path) -> torch.Tensor:
@@ -70,31 +47,6 @@ def evaluator_probabilities(recipe: str, run_dir: Path) -> torch.Tensor:
     return torch.cat(outputs)
 
 
-@pytest.fixture(scope="module")
-def cifar_run(tmp_path_factory) -> Path:
-    return train(CIFAR, tmp_path_factory.mktemp("cifar") / "run")
-
-
-@pytest.fixture(scope="module")
-def image_tree(tmp_path_factory, make_image_tree_once) -> Path:
-    return make_image_tree_once(tmp_path_factory.mktemp("tree"), {"train": 8, "val": 2})
-
-
-@pytest.fixture(scope="module")
-def images_run(tmp_path_factory, image_tree) -> Path:
-    return train([*IMAGES, "--data-dir", str(image_tree)],
-                 tmp_path_factory.mktemp("images") / "run")
-
-
-@pytest.fixture(scope="module")
-def charlm_run(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("charlm")
-    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if"]
-    picks = torch.randint(len(words), (800,), generator=torch.Generator().manual_seed(0))
-    (folder / "text.txt").write_text(" ".join(words[i] for i in picks.tolist()))
-    return train([*CHARLM, "--text", str(folder / "text.txt")], folder / "run")
-
-
 # --- evaluate --------------------------------------------------------------------------------
 
 
@@ -102,7 +54,7 @@ def charlm_run(tmp_path_factory) -> Path:
 def test_evaluate_best_reproduces_the_recorded_best_exactly(run, request, capsys):
     run_dir = request.getfixturevalue(run)
     recipe = run.removesuffix("_run")
-    before = digests(run_dir)
+    before = digests(run_dir, "evaluations")
     assert main([recipe, "evaluate", str(run_dir)]) == 0
     result = evaluated(run_dir)
     best = load_recipe(recipe).best
@@ -111,7 +63,7 @@ def test_evaluate_best_reproduces_the_recorded_best_exactly(run, request, capsys
     assert result["split"] == "validation" and result["checkpoint"].endswith("best.pt")
     out = capsys.readouterr().out
     assert best in out and "wrote" in out
-    assert digests(run_dir) == before  # nothing else in the run folder changed
+    assert digests(run_dir, "evaluations") == before  # nothing else in the run folder changed
 
 
 def test_evaluate_uses_the_tta_of_the_evaluation_that_scored_the_checkpoint(cifar_run):
@@ -126,8 +78,8 @@ def test_evaluate_uses_the_tta_of_the_evaluation_that_scored_the_checkpoint(cifa
 
 
 def test_evaluate_with_ema_scores_the_averaged_weights(tmp_path):
-    run_dir = train([*CIFAR, "--averaging", "ema", "--ema-decay", "0.5", "--lookahead", "false",
-                     "--tta", "none", "--final-tta", "none"], tmp_path / "ema")
+    run_dir = train([*CIFAR_RUN, "--averaging", "ema", "--ema-decay", "0.5", "--lookahead",
+                     "false", "--tta", "none", "--final-tta", "none"], tmp_path / "ema")
     payload = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
     assert payload["averaging"]["num_updates"] > 0
     assert main(["cifar", "evaluate", str(run_dir)]) == 0
@@ -235,25 +187,19 @@ def test_generate_refuses_bad_arguments_in_one_line(charlm_run, capsys):
 # --- what every command refuses --------------------------------------------------------------
 
 
-def copy_run(run_dir: Path, to: Path, keep=lambda name: True) -> Path:
-    (to / "checkpoints").mkdir(parents=True)
-    for path in (run_dir / "checkpoints").iterdir():
-        if keep(path.name):
-            shutil.copy(path, to / "checkpoints" / path.name)
-    return to
-
-
 @pytest.mark.parametrize("command", [["evaluate"], ["predict", "x.png"]])
 def test_bad_runs_and_checkpoints_are_one_line_and_exit_2(command, cifar_run, charlm_run,
                                                           tmp_path, capsys):
     best = cifar_run / "checkpoints" / "best.pt"
-    bad = copy_run(cifar_run, tmp_path / "bad")
+    bad = copy_run(cifar_run, tmp_path / "bad", lambda path: path.startswith("checkpoints/"),
+                   hard_links=False)
     corrupt, truncated = bad / "checkpoints" / "best.pt", bad / "checkpoints" / "last.pt"
     data = bytearray(corrupt.read_bytes())
     data[len(data) // 2] ^= 0xFF
     corrupt.write_bytes(bytes(data))
     truncated.write_bytes(truncated.read_bytes()[:1000])
-    no_best = copy_run(cifar_run, tmp_path / "no_best", keep=lambda name: "best" not in name)
+    no_best = copy_run(cifar_run, tmp_path / "no_best",
+                       lambda path: path.startswith("checkpoints/") and "best" not in path)
     (tmp_path / "empty").mkdir()
     Image.new("RGB", (32, 32)).save(tmp_path / "x.png")
     cases = [
@@ -265,11 +211,11 @@ def test_bad_runs_and_checkpoints_are_one_line_and_exit_2(command, cifar_run, ch
         ("cifar", str(truncated), "truncated"),
         ("cifar", str(no_best), "best.pt: no such checkpoint"),
     ]
-    before = digests(cifar_run)
+    before = digests(cifar_run, "evaluations")
     for recipe, source, fragment in cases:
         code = main([recipe, command[0], source, *[str(tmp_path / a) for a in command[1:]]])
         one_error_line(code, capsys.readouterr().err, fragment)
-    assert digests(cifar_run) == before
+    assert digests(cifar_run, "evaluations") == before
 
 
 def test_an_unknown_command_names_the_recipes_commands(capsys):

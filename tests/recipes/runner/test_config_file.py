@@ -16,7 +16,7 @@ from recipes.runner.config import ConfigError, flag_name, help_text
 from recipes.runner.config_file import REQUESTS, config_toml, parse_command_line
 from recipes.runner.registry import find_recipes, recipe_keys
 from recipes.runner.resume_request import REQUEST_KEYS
-from tests.recipes.runner.test_run import CHARLM, digests, one_error_line, write_text
+from tests.helpers import CHARLM, digests, one_error_line, write_text
 
 CIFAR = recipe_keys("cifar").config
 

@@ -6,30 +6,27 @@ import contextlib
 import hashlib
 import io
 import json
-import os
 import pickle
 import shutil
 from pathlib import Path
 
-import ignite.distributed as idist
 import pytest
 import torch
-import torch.distributed as dist
 
-from handlers.checkpoint_files import read_checkpoint
+from handlers.checkpoint import read_checkpoint
 from recipes.__main__ import main
 from recipes.runner.registry import load_recipe
 from recipes.runner.trained import load_trained
-from tests.recipes.runner.test_commands import CHARLM, digests, evaluated, recorded
-from tests.recipes.runner.test_run import one_error_line
-
-
-def leave_the_group() -> None:
-    """End the one-rank group a one-process fsdp run leaves in this process (and
-    ``ignite.distributed``'s hold on it), so that what runs next runs without one."""
-    if dist.is_initialized():
-        idist.sync()
-        idist.finalize()
+from tests.helpers import (
+    CHARLM_RUN,
+    RunsCodeWhenUnpickled,
+    digests,
+    evaluated,
+    leave_the_group,
+    one_error_line,
+    recorded,
+    write_text,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +34,9 @@ def sharded_run(tmp_path_factory) -> Path:
     """A tiny charlm run under ``--strategy fsdp`` on one process (a one-rank group, which
     writes every shard of its ``.dcp`` checkpoints)."""
     folder = tmp_path_factory.mktemp("sharded")
-    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if"]
-    picks = torch.randint(len(words), (800,), generator=torch.Generator().manual_seed(0))
-    (folder / "text.txt").write_text(" ".join(words[i] for i in picks.tolist()))
+    write_text(folder / "text.txt", words=800)
     with contextlib.redirect_stdout(io.StringIO()) as printed:
-        assert main([*CHARLM, "--text", str(folder / "text.txt"), "--strategy", "fsdp",
+        assert main([*CHARLM_RUN, "--text", str(folder / "text.txt"), "--strategy", "fsdp",
                      "--run-dir", str(folder / "run")]) == 0
     leave_the_group()
     (folder / "train.out").write_text(printed.getvalue())
@@ -109,7 +104,7 @@ def test_consolidate_refuses_a_damaged_folder_in_one_line(sharded_run, tmp_path,
 
 def test_a_new_run_takes_its_weights_from_a_sharded_run(sharded_run, tmp_path):
     text = sharded_run.parent / "text.txt"
-    assert main([*CHARLM, "--text", str(text), "--init-from", str(sharded_run),
+    assert main([*CHARLM_RUN, "--text", str(text), "--init-from", str(sharded_run),
                  "--run-dir", str(tmp_path / "new")]) == 0
     record = json.loads((tmp_path / "new" / "config.json").read_text())["init_from"]
     # best.dcp is a symbolic link: the record names the folder it pointed at.
@@ -124,15 +119,6 @@ def test_the_closing_lines_name_the_sharded_best_checkpoint(sharded_run):
 
 # --- a .dcp folder whose .metadata would run code -------------------------------------------
 
-
-class RunsCodeWhenUnpickled:
-    """Unpickling calls ``os.mkdir(marker)``: what a planted ``.metadata`` would do."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return os.mkdir, (self.marker,)
 
 
 def plant_metadata(folder: Path, marker: Path) -> None:
@@ -174,7 +160,7 @@ def test_no_command_runs_the_code_of_a_planted_metadata(sharded_run, trapped_run
             "export": ["charlm", "export", str(run_dir), "--format", "safetensors",
                        "--out", str(tmp_path / "weights.safetensors")],
             "consolidate": ["charlm", "consolidate", str(run_dir)],
-            "init-from": [*CHARLM, "--text", str(sharded_run.parent / "text.txt"),
+            "init-from": [*CHARLM_RUN, "--text", str(sharded_run.parent / "text.txt"),
                           "--init-from", str(run_dir), "--run-dir", str(tmp_path / "new")],
             }[command]
     code = main(args)
@@ -196,7 +182,7 @@ def test_a_resume_falls_back_past_a_planted_folder_unrun(sharded_run, tmp_path, 
     Path(f"{planted}.json").write_text(json.dumps({**sidecar, "file": planted.name}))
     plant_metadata(planted, marker)
 
-    code = main([*CHARLM, "--text", str(sharded_run.parent / "text.txt"),
+    code = main([*CHARLM_RUN, "--text", str(sharded_run.parent / "text.txt"),
                  "--run-dir", str(run_dir)])
     leave_the_group()
     assert code == 0, capsys.readouterr().err

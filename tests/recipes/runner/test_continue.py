@@ -3,7 +3,6 @@ its keys, a finished one is reported, ``--resume never`` starts anew, a stop pri
 command that continues it, and ``make train`` takes such a stop for no error."""
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -14,29 +13,22 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from recipes.__main__ import main
-from recipes.runner.config import parse_args
 from recipes.runner.continue_run import choose_run, continue_command
 from recipes.runner.lock import RunLock
-from recipes.runner.registry import load_recipe
 from recipes.runner.run import _join_group
+from tests.helpers import (
+    CHARLM_IN_FOLDER,
+    REPO,
+    RUN_RECIPE,
+    charlm_config,
+    digests,
+    write_text,
+)
 
-REPO = Path(__file__).resolve().parents[3]
-RUN_RECIPE = REPO / "tests" / "reliability" / "run_recipe.py"  # the command line plus faults
 TIMEOUT_SEC = 600
-# About 16 iterations an epoch on write_text's 600 words.
-CHARLM = ["charlm", "--text", "text.txt", "--val-fraction", "0.2", "--block-size", "8",
-          "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--batch-size", "16",
-          "--progress", "off", "--device", "cpu", "--epochs", "2", "--checkpoint-every", "2"]
 STAMPED = re.compile(r"\d{8}-\d{6}")
-
-
-def write_text(folder: Path) -> None:
-    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if"]
-    picks = torch.randint(len(words), (600,), generator=torch.Generator().manual_seed(0))
-    (folder / "text.txt").write_text(" ".join(words[i] for i in picks.tolist()))
 
 
 def run_command(command: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -51,14 +43,9 @@ def run_folders(cwd: Path) -> list[str]:
     return sorted(path.name for path in root.iterdir()) if root.is_dir() else []
 
 
-def digests(folder: Path) -> dict[str, str]:
-    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(folder.rglob("*")) if path.is_file()}
-
-
 def test_a_stopped_run_prints_the_command_that_continues_it_in_the_same_folder(tmp_path):
-    write_text(tmp_path)
-    command = [sys.executable, str(RUN_RECIPE), *CHARLM]
+    write_text(tmp_path / "text.txt")
+    command = [sys.executable, str(RUN_RECIPE), *CHARLM_IN_FOLDER]
     stopped = run_command(command, tmp_path, RELIABILITY_SIGNAL_AT="SIGTERM:iteration:5")
     assert stopped.returncode == 143, stopped.stderr
     [folder] = run_folders(tmp_path)
@@ -77,8 +64,8 @@ def test_a_stopped_run_prints_the_command_that_continues_it_in_the_same_folder(t
 
 
 def test_a_finished_run_is_reported_until_resume_never_starts_a_new_one(tmp_path):
-    write_text(tmp_path)
-    command = [sys.executable, "-m", "recipes", *CHARLM]
+    write_text(tmp_path / "text.txt")
+    command = [sys.executable, "-m", "recipes", *CHARLM_IN_FOLDER]
     assert run_command(command, tmp_path).returncode == 0
     [first] = run_folders(tmp_path)
     before = digests(tmp_path)
@@ -103,12 +90,6 @@ def test_a_finished_run_is_reported_until_resume_never_starts_a_new_one(tmp_path
 
 
 # --- choosing the folder, in this process (nothing trained) --------------------------------
-
-
-def charlm_config(*extra: str):
-    recipe = load_recipe("charlm")
-    config, given = parse_args(recipe.config, [*CHARLM[1:], *extra])
-    return recipe, config, given
 
 
 def fake_run(cwd: Path, name: str, config, status: str | None = None) -> Path:
@@ -172,11 +153,11 @@ def test_a_named_run_is_left_to_the_run_layer(tmp_path, monkeypatch):
 def test_a_run_in_use_by_another_process_is_refused_by_its_lock(tmp_path, monkeypatch,
                                                                 capsys):
     monkeypatch.chdir(tmp_path)
-    write_text(tmp_path)
+    write_text(tmp_path / "text.txt")
     _, config, _ = charlm_config()
     folder = fake_run(tmp_path, "20260101-000000", config, "interrupted by SIGTERM")
     with RunLock(folder):  # another process is continuing it
-        code = main(CHARLM)
+        code = main(CHARLM_IN_FOLDER)
     out, err = capsys.readouterr()
     assert code == 2 and "is in use by" in err and "runs/charlm/20260101-000000" in err
     assert out.startswith("continuing runs/charlm/20260101-000000 ")
@@ -232,9 +213,10 @@ def test_under_torchrun_rank_zero_reports_a_finished_run_and_the_group_trains_no
 
 @pytest.mark.slow
 def test_the_same_torchrun_command_again_continues_its_run_then_reports_it_complete(tmp_path):
-    write_text(tmp_path)
+    write_text(tmp_path / "text.txt")
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc-per-node=2", str(RUN_RECIPE), *CHARLM]
+    command = [str(torchrun), "--standalone", "--nproc-per-node=2", str(RUN_RECIPE),
+               *CHARLM_IN_FOLDER]
     env = {"PYTHONPATH": str(REPO)}
     stopped = run_command(command, tmp_path, RELIABILITY_SIGNAL_AT="SIGTERM:iteration:5", **env)
     assert stopped.returncode != 0

@@ -4,7 +4,7 @@
 import pytest
 
 from recipes.__main__ import main
-from tests.recipes.runner.test_run import one_error_line
+from tests.helpers import one_error_line
 
 
 @pytest.mark.parametrize("command", [[], ["--describe"], ["--lr-find"]])

@@ -4,7 +4,7 @@ restarts warns while torchrun shares its store (the whole restart: tests/reliabi
 import pytest
 
 from recipes.runner.elastic import SHARED_STORE_HINT, prepare_start
-from tests.recipes.runner.test_continue import charlm_config
+from tests.helpers import charlm_config
 
 
 def torchrun_start(monkeypatch, rank: int, restart: int, max_restarts: int, shared: bool

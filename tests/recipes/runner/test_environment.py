@@ -11,7 +11,7 @@ import torch
 
 from recipes.__main__ import main
 from recipes.runner.environment import environment_record, git_revision
-from tests.recipes.runner.test_run import CHARLM, write_text
+from tests.helpers import CHARLM, write_text
 
 
 def test_a_run_records_its_environment_and_resumes_where_the_record_differs(tmp_path, capsys):

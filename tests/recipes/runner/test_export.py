@@ -10,44 +10,31 @@ import os
 import subprocess
 import sys
 import sysconfig
-from pathlib import Path
 
 import pytest
 import torch
-from ignite.engine import Events
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from engine import create_evaluator
 from recipes.__main__ import main
 from recipes.charlm.model import GPT
 from recipes.cifar.model import build_model
 from recipes.images.recipe import build_classifier
 from recipes.runner.registry import load_recipe
 from recipes.runner.trained import load_trained
-
-# The tiny runs' fixtures are used by name, through request.getfixturevalue.
-from tests.recipes.runner.test_commands import (  # noqa: F401
-    CIFAR,
-    charlm_run,
-    cifar_run,
+from tests.helpers import (
+    CIFAR_RUN,
+    MODEL_INPUT,
+    RUNS,
+    TOLERANCE,
     copy_run,
     digests,
-    image_tree,
-    images_run,
+    evaluation,
     one_error_line,
     train,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
-
-RUNS = ["cifar_run", "images_run", "charlm_run"]
-# The model's input in a prepared validation batch: a charlm window's last byte is a target.
-MODEL_INPUT = {"cifar": lambda batch: batch[0], "images": lambda batch: batch[0],
-               "charlm": lambda batch: batch[:, :-1]}
-# Where the tiny runs' outputs may differ between the evaluator and the export (both fp32 on
-# the CPU; the measured difference is 0 for every recipe).
-TOLERANCE = 1e-5
 
 # Run as `python -I -S` (no PYTHONPATH, no site-packages, so not the editable install either)
 # from an empty folder: only torch's own folders are put on sys.path.
@@ -64,25 +51,6 @@ torch.save(outputs, sys.argv[3])
 """
 
 
-def evaluation(recipe: str, run_dir: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(model inputs, evaluator outputs) over the validation batches, in order; CIFAR's
-    evaluator without test-time augmentation (the export is the plain forward)."""
-    trained = load_trained(load_recipe(recipe), str(run_dir))
-    parts = trained.parts
-    if recipe == "cifar":
-        parts.predict.name = "none"
-    inputs = [MODEL_INPUT[recipe](parts.prepare_batch(batch, trained.device, False))
-              for batch in parts.val_batches]
-    evaluator = create_evaluator(parts.model, {}, device=trained.device,
-                                 precision=trained.config.precision, predict=parts.predict,
-                                 prepare_batch=parts.prepare_batch)
-    outputs: list[torch.Tensor] = []
-    evaluator.add_event_handler(Events.ITERATION_COMPLETED,
-                                lambda engine: outputs.append(engine.state.output[0]))
-    evaluator.run(parts.val_batches)
-    return inputs, outputs
-
-
 def run_program(program: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     """The program's outputs as the evaluator's: charlm's logits one row per byte."""
     with torch.no_grad():
@@ -90,18 +58,13 @@ def run_program(program: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     return outputs.flatten(0, 1) if outputs.ndim == 3 else outputs
 
 
-def outside_digests(run_dir: Path) -> dict[str, bytes]:
-    return {name: data for name, data in digests(run_dir).items()
-            if not name.startswith("export")}
-
-
 @pytest.mark.parametrize("run", RUNS)
 def test_pt2_gives_the_evaluators_outputs(run, request, capsys):
     run_dir, recipe = request.getfixturevalue(run), run.removesuffix("_run")
-    before = outside_digests(run_dir)
+    before = digests(run_dir, "export")
     assert main([recipe, "export", str(run_dir)]) == 0
     assert "largest |difference| from the model" in capsys.readouterr().out
-    assert outside_digests(run_dir) == before  # only export/ was written
+    assert digests(run_dir, "export") == before  # only export/ was written
     program = torch.export.load(run_dir / "export" / "best.pt2").module()
     inputs, expected = evaluation(recipe, run_dir)
     differences = [(run_program(program, x) - y).abs().max() for x, y in zip(
@@ -173,9 +136,9 @@ def rebuild(facts: dict) -> torch.nn.Module:
 @pytest.mark.parametrize("run", RUNS)
 def test_safetensors_hold_the_checkpoints_weights_and_rebuild_the_model(run, request):
     run_dir, recipe = request.getfixturevalue(run), run.removesuffix("_run")
-    before = outside_digests(run_dir)
+    before = digests(run_dir, "export")
     assert main([recipe, "export", str(run_dir), "--format", "safetensors"]) == 0
-    assert outside_digests(run_dir) == before
+    assert digests(run_dir, "export") == before
     weights = load_file(run_dir / "export" / "best.safetensors")
     saved = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["model"]
     assert weights.keys() == saved.keys()
@@ -195,7 +158,7 @@ def test_safetensors_hold_the_checkpoints_weights_and_rebuild_the_model(run, req
 
 
 def test_safetensors_of_an_ema_run_hold_the_averaged_weights(tmp_path):
-    run_dir = train([*CIFAR, "--averaging", "ema", "--ema-decay", "0.5", "--lookahead", "false",
+    run_dir = train([*CIFAR_RUN, "--averaging", "ema", "--ema-decay", "0.5", "--lookahead", "false",
                      "--tta", "none", "--final-tta", "none"], tmp_path / "ema")
     out = tmp_path / "ema.safetensors"
     assert main(["cifar", "export", str(run_dir), "--format", "safetensors",
@@ -209,13 +172,15 @@ def test_safetensors_of_an_ema_run_hold_the_averaged_weights(tmp_path):
 def test_bad_runs_checkpoints_and_options_are_one_line_exit_2_and_write_nothing(
         request, tmp_path, capsys):
     cifar, charlm = map(request.getfixturevalue, ("cifar_run", "charlm_run"))
-    bad = copy_run(cifar, tmp_path / "bad")
+    bad = copy_run(cifar, tmp_path / "bad", lambda path: path.startswith("checkpoints/"),
+                   hard_links=False)
     corrupt, truncated = bad / "checkpoints" / "best.pt", bad / "checkpoints" / "last.pt"
     data = bytearray(corrupt.read_bytes())
     data[len(data) // 2] ^= 0xFF
     corrupt.write_bytes(bytes(data))
     truncated.write_bytes(truncated.read_bytes()[:1000])
-    no_best = copy_run(cifar, tmp_path / "no_best", keep=lambda name: "best" not in name)
+    no_best = copy_run(cifar, tmp_path / "no_best",
+                       lambda path: path.startswith("checkpoints/") and "best" not in path)
     best = cifar / "checkpoints" / "best.pt"
     cases = [
         (["cifar", str(tmp_path / "nowhere")], "no such run folder or checkpoint file"),

@@ -15,18 +15,7 @@ from recipes.__main__ import main
 from recipes.runner.export_onnx import NEEDED
 from recipes.runner.registry import load_recipe
 from recipes.runner.trained import load_trained
-
-# The tiny runs' fixtures are used by name, through request.getfixturevalue.
-from tests.recipes.runner.test_commands import (  # noqa: F401
-    charlm_run,
-    cifar_run,
-    digests,
-    image_tree,
-    images_run,
-    one_error_line,
-    train,
-)
-from tests.recipes.runner.test_export import RUNS, TOLERANCE, evaluation, outside_digests
+from tests.helpers import RUNS, TOLERANCE, digests, evaluation, one_error_line
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
@@ -53,10 +42,10 @@ def run_session(session, inputs: torch.Tensor) -> torch.Tensor:
 def test_onnx_gives_the_evaluators_outputs_under_onnxruntime(run, request, capsys):
     needs_the_onnx_extra()
     run_dir, recipe = request.getfixturevalue(run), run.removesuffix("_run")
-    before = outside_digests(run_dir)
+    before = digests(run_dir, "export")
     assert main([recipe, "export", str(run_dir), "--format", "onnx"]) == 0
     assert "largest |difference| under onnxruntime" in capsys.readouterr().out
-    assert outside_digests(run_dir) == before  # only export/ was written
+    assert digests(run_dir, "export") == before  # only export/ was written
     session = onnx_session(run_dir / "export" / "best.onnx")
     inputs, expected = evaluation(recipe, run_dir)
     largest = float(max((run_session(session, x) - y).abs().max() for x, y in zip(

@@ -12,11 +12,11 @@ from handlers.checkpoint_files import read_sidecar
 from recipes.__main__ import main
 from recipes.cifar.recipe import RECIPE as CIFAR
 from recipes.runner.run import build_parts
-from tests.recipes.runner.test_run import CHARLM, digests, one_error_line, write_text
+from tests import helpers
+from tests.helpers import CHARLM, digests, one_error_line, write_text
 
-CIFAR_TINY = ["cifar", "--dataset", "synthetic", "--train-subset", "128", "--val-subset", "32",
-              "--batch-size", "32", "--epochs", "1", "--warmup-epochs", "0.5", "--tta", "none",
-              "--final-tta", "none", "--progress", "off", "--device", "cpu"]
+CIFAR_TINY = [*helpers.CIFAR, "--epochs", "1", "--warmup-epochs", "0.5", "--tta", "none",
+              "--final-tta", "none", "--device", "cpu"]
 
 
 def model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -34,6 +34,7 @@ from recipes.cifar.model import TTA_PREDICTS
 from recipes.runner.errors import DataError
 from recipes.runner.launch import process_device, rank_zero_exit_code, share_machine, spawn
 from recipes.runner.run import Started, train
+from tests.helpers import TINY_AIRBENCH_RUN
 
 REPO = Path(__file__).resolve().parents[3]
 _BUILT: list[nn.Module] = []  # the tiny nets built in this process, newest last
@@ -331,11 +332,6 @@ def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "recipes", "cifar", *args], cwd=tmp_path,
         env=os.environ | {"PYTHONPATH": str(REPO)}, capture_output=True, text=True,
         timeout=600, check=False)
-
-
-TINY_AIRBENCH_RUN = ("--dataset", "synthetic", "--train-subset", "64", "--val-subset", "9",
-                     "--batch-size", "32", "--epochs", "1", "--warmup-epochs", "0.5",
-                     "--device", "cpu", "--progress", "off", "--run-name", "r")
 
 
 @pytest.mark.slow

@@ -14,11 +14,11 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from recipes.__main__ import main
-from tests.recipes.runner.test_launch import TINY_AIRBENCH_RUN
-from tests.recipes.runner.test_run import (
+from tests.helpers import (
     CHARLM,
     REPO,
     RUN_RECIPE,
+    TINY_AIRBENCH_RUN,
     digests,
     one_error_line,
     write_text,

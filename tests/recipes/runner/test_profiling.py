@@ -7,7 +7,7 @@ import json
 import pytest
 
 from recipes.__main__ import main
-from tests.recipes.runner.test_run import CHARLM, one_error_line, write_text
+from tests.helpers import CHARLM, one_error_line, write_text
 
 
 def test_a_profiled_run_writes_a_chrome_trace_and_prints_the_top_operators(tmp_path, capsys):

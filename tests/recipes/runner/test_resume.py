@@ -9,11 +9,9 @@ import torch
 
 from handlers.checkpoint import read_checkpoint
 from recipes.__main__ import main
-from tests.recipes.runner.test_run import CHARLM, digests, one_error_line, write_text
+from tests.helpers import CHARLM, CIFAR, digests, one_error_line, write_text
 
-CIFAR_MUON = ["cifar", "--dataset", "synthetic", "--train-subset", "128", "--val-subset", "32",
-              "--batch-size", "32", "--optimizer", "muon",
-              "--scheduler", "none", "--lookahead", "false", "--progress", "off",
+CIFAR_MUON = [*CIFAR, "--optimizer", "muon", "--scheduler", "none", "--lookahead", "false",
               "--device", "cpu"]
 
 

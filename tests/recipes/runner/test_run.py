@@ -15,33 +15,9 @@ import torch
 from recipes.__main__ import main
 from recipes.runner.lock import RunLock
 from recipes.runner.registry import find_recipes, load_recipe
+from tests.helpers import CHARLM, RUN_RECIPE, digests, one_error_line, write_text
 
-REPO = Path(__file__).resolve().parents[3]
-RUN_RECIPE = REPO / "tests" / "reliability" / "run_recipe.py"  # the command line plus faults
 TIMEOUT_SEC = 600
-CHARLM = ["charlm", "--val-fraction", "0.2", "--block-size", "8", "--n-layer", "1",
-          "--n-head", "2", "--n-embd", "16", "--batch-size", "16", "--progress", "off",
-          "--device", "cpu"]
-
-
-def write_text(path: Path, words: int = 600, seed: int = 0) -> Path:
-    vocabulary = ["def", "return", "self", "value", "import", "class", "for", "in", "if"]
-    picks = torch.randint(len(vocabulary), (words,), generator=torch.Generator().manual_seed(seed))
-    path.write_text(" ".join(vocabulary[i] for i in picks.tolist()))
-    return path
-
-
-def digests(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file()}
-
-
-def one_error_line(code: int, err: str, *fragments: str) -> str:
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 # --- recipes by name ----------------------------------------------------------------------

@@ -7,7 +7,7 @@ from ignite.engine import Engine, Events
 from engine import TrainEvents
 from recipes.__main__ import main
 from recipes.runner.standard_handlers import METRICS_FILE, Evaluation
-from tests.recipes.runner.test_run import CHARLM, write_text
+from tests.helpers import CHARLM, write_text
 
 
 def test_evaluation_runs_every_n_epochs_and_after_the_last_with_its_hook_first():

@@ -26,7 +26,7 @@ from recipes.charlm import recipe as charlm
 from recipes.cifar import recipe as cifar
 from recipes.runner.launch import process_device, share_machine, spawn
 from recipes.runner.run import Started, train
-from tests.recipes.runner.test_run import one_error_line
+from tests.helpers import one_error_line
 
 REPO = Path(__file__).resolve().parents[3]
 GUIDE = REPO / "docs" / "writing-a-recipe.md"

@@ -1,0 +1,176 @@
+"""What several test modules share: each recipe's tiny command line, a run folder's digests and
+copy, tiny text corpora, the one-line error check, and the export tests' evaluator outputs.
+
+Test modules import from here, never from one another (tests/test_layering.py checks it);
+fixtures live in the conftest.py files."""
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import ignite.distributed as idist
+import torch
+import torch.distributed as dist
+from ignite.engine import Events
+
+from engine import create_evaluator
+from recipes.__main__ import main
+from recipes.runner.config import parse_args
+from recipes.runner.registry import load_recipe
+from recipes.runner.trained import load_trained
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_RECIPE = REPO / "tests" / "reliability" / "run_recipe.py"  # the command line plus faults
+
+# Each recipe's tiny run; a test module adds what it needs (epochs, the data) to it.
+CHARLM = ["charlm", "--val-fraction", "0.2", "--block-size", "8", "--n-layer", "1",
+          "--n-head", "2", "--n-embd", "16", "--batch-size", "16", "--progress", "off",
+          "--device", "cpu"]
+CIFAR = ["cifar", "--dataset", "synthetic", "--train-subset", "128", "--val-subset", "32",
+         "--batch-size", "32", "--progress", "off"]
+IMAGES = ["images", "--model", "squeezenet1_1", "--num-workers", "0", "--batch-size", "8",
+          "--progress", "off"]
+# Two epochs: the tiny runs the command tests train (tests/recipes/runner/conftest.py).
+CHARLM_RUN = [*CHARLM, "--epochs", "2"]
+CIFAR_RUN = [*CIFAR, "--epochs", "2", "--warmup-epochs", "0.5"]
+IMAGES_RUN = [*IMAGES, "--epochs", "2", "--lr", "0.02", "--warmup-epochs", "0.5"]
+# About 16 iterations an epoch on write_text's 600 words, run in a folder holding text.txt.
+CHARLM_IN_FOLDER = [*CHARLM, "--text", "text.txt", "--epochs", "2", "--checkpoint-every", "2"]
+# CIFAR's default (airbench) run on a few samples, for runs of several processes.
+TINY_AIRBENCH_RUN = ("--dataset", "synthetic", "--train-subset", "64", "--val-subset", "9",
+                     "--batch-size", "32", "--epochs", "1", "--warmup-epochs", "0.5",
+                     "--device", "cpu", "--progress", "off", "--run-name", "r")
+
+
+def write_text(path: Path, words: int = 600, seed: int = 0) -> Path:
+    """``words`` Python-like words drawn with ``seed``: a corpus for the charlm recipe."""
+    vocabulary = ["def", "return", "self", "value", "import", "class", "for", "in", "if"]
+    picks = torch.randint(len(vocabulary), (words,), generator=torch.Generator().manual_seed(seed))
+    path.write_text(" ".join(vocabulary[i] for i in picks.tolist()))
+    return path
+
+
+def write_text_folder(root: Path, n_files: int = 20, lines_per_file: int = 6) -> Path:
+    """``n_files`` small Python-like files, some in a subfolder."""
+    for index in range(n_files):
+        path = root / ("sub" if index % 3 else "") / f"module_{index}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(f"def f{index}_{line}(x):\n    return x + {line}\n"
+                                for line in range(lines_per_file)))
+    return root
+
+
+def charlm_config(*extra: str):
+    """The charlm recipe and its config parsed from ``CHARLM_IN_FOLDER`` plus ``extra``."""
+    recipe = load_recipe("charlm")
+    config, given = parse_args(recipe.config, [*CHARLM_IN_FOLDER[1:], *extra])
+    return recipe, config, given
+
+
+def train(args: list[str], run_dir: Path) -> Path:
+    assert main([*args, "--run-dir", str(run_dir)]) == 0
+    return run_dir
+
+
+def digests(folder: Path, *skipped: str) -> dict[str, str]:
+    """sha256 of every file under ``folder`` by relative path (what "untouched" means), but
+    those inside a folder named in ``skipped``."""
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*"))
+            if path.is_file() and not set(path.relative_to(folder).parts[:-1]) & set(skipped)}
+
+
+def copy_run(source: Path, destination: Path, keep: Callable[[str], bool] = lambda path: True,
+             *, hard_links: bool = True) -> Path:
+    """Copy the files of a run folder whose path in it (``checkpoints/last.pt``) ``keep``
+    takes, keeping hard links as hard links (last.pt shares a file with a step);
+    ``hard_links=False``: every file its own copy, for a test that damages one alone."""
+    copied: dict[tuple[int, int], Path] = {}
+    destination.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.rglob("*")):
+        name = str(path.relative_to(source))
+        if path.is_dir() or not keep(name):
+            continue
+        target = destination / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        key = (path.stat().st_dev, path.stat().st_ino)
+        if hard_links and key in copied:
+            os.link(copied[key], target)
+        else:
+            shutil.copy2(path, target)
+            copied[key] = target
+    return destination
+
+
+def one_error_line(code: int, err: str, *fragments: str) -> str:
+    """``err`` is one ``error: ...`` line holding every fragment, and ``code`` is 2."""
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def leave_the_group() -> None:
+    """End the one-rank group a one-process fsdp run leaves in this process (and
+    ``ignite.distributed``'s hold on it), so that what runs next runs without one."""
+    if dist.is_initialized():
+        idist.sync()
+        idist.finalize()
+
+
+# --- a trained run's evaluations -----------------------------------------------------------
+
+
+def recorded(run_dir: Path) -> dict[str, float]:
+    """The run's best metrics as it recorded them in summary.json."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {key.removeprefix("best_val_"): value for key, value in summary.items()
+            if key.startswith("best_val_")}
+
+
+def evaluated(run_dir: Path, name: str = "best-validation") -> dict:
+    return json.loads((run_dir / "evaluations" / f"{name}.json").read_text())
+
+
+# The tiny runs' fixtures (tests/recipes/runner/conftest.py), by name.
+RUNS = ["cifar_run", "images_run", "charlm_run"]
+# The model's input in a prepared validation batch: a charlm window's last byte is a target.
+MODEL_INPUT = {"cifar": lambda batch: batch[0], "images": lambda batch: batch[0],
+               "charlm": lambda batch: batch[:, :-1]}
+# Where the tiny runs' outputs may differ between the evaluator and the export (both fp32 on
+# the CPU; the measured difference is 0 for every recipe).
+TOLERANCE = 1e-5
+
+
+def evaluation(recipe: str, run_dir: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(model inputs, evaluator outputs) over the validation batches, in order; CIFAR's
+    evaluator without test-time augmentation (the export is the plain forward)."""
+    trained = load_trained(load_recipe(recipe), str(run_dir))
+    parts = trained.parts
+    if recipe == "cifar":
+        parts.predict.name = "none"
+    inputs = [MODEL_INPUT[recipe](parts.prepare_batch(batch, trained.device, False))
+              for batch in parts.val_batches]
+    evaluator = create_evaluator(parts.model, {}, device=trained.device,
+                                 precision=trained.config.precision, predict=parts.predict,
+                                 prepare_batch=parts.prepare_batch)
+    outputs: list[torch.Tensor] = []
+    evaluator.add_event_handler(Events.ITERATION_COMPLETED,
+                                lambda engine: outputs.append(engine.state.output[0]))
+    evaluator.run(parts.val_batches)
+    return inputs, outputs
+
+
+class RunsCodeWhenUnpickled:
+    """Unpickling calls ``os.mkdir(marker)``: what a booby-trapped checkpoint would do; a test
+    asserts ``marker`` never appears."""
+
+    def __init__(self, marker: Path | str) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
