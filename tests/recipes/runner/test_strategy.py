@@ -88,13 +88,16 @@ def _last(run: Path) -> dict:
 def test_fsdp_reaches_ddps_weights_and_optimizer_state(runs, recipe):
     ddp, fsdp = _last(runs / f"{recipe}-ddp"), _last(runs / f"{recipe}-fsdp")
     assert ddp["model"].keys() == fsdp["model"].keys()
+    # DDP all-reduces gradients, FSDP reduce-scatters them: the sums round in another order,
+    # and the difference grows over the steps (cifar's conv weights differed by 1.8e-5 on an
+    # AVX-512 AMD EPYC, under 1e-5 on other CPUs); a wrong reduction would differ by far more.
     for name, tensor in ddp["model"].items():
-        torch.testing.assert_close(fsdp["model"][name], tensor, rtol=0, atol=1e-5)
+        torch.testing.assert_close(fsdp["model"][name], tensor, rtol=0, atol=1e-4)
     assert fsdp["optimizer"]["param_groups"] == ddp["optimizer"]["param_groups"]
     for index, state in ddp["optimizer"]["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(fsdp["optimizer"]["state"][index][key], value,
-                                       rtol=0, atol=1e-5)
+                                       rtol=0, atol=1e-4)
     assert fsdp["meta"]["optimizer_step"] == ddp["meta"]["optimizer_step"] > 1
     # Every step clipped, by the whole model's norm: the same pre-clip norms as DDP's.
     seen = [checkpoint["telemetry"] for checkpoint in (ddp, fsdp)]
