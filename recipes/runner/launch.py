@@ -29,6 +29,7 @@ from engine import resolve_device
 from handlers import CheckpointError
 from recipes.runner.config import ConfigError
 from recipes.runner.errors import USER_ERRORS
+from recipes.runner.lock import RunLock
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun for each process
 
@@ -111,16 +112,19 @@ def rank_zero_exit_code(exit_code: int) -> int:
     return exit_code if idist.get_rank() == 0 else 0
 
 
-def spawn(fn: Callable[..., int], *args: Any, nproc: int, backend: str) -> int:
+def spawn(fn: Callable[..., int], *args: Any, nproc: int, backend: str,
+          lock: RunLock | None = None) -> int:
     """Run ``fn(local_rank, *args) -> exit code`` in ``nproc`` new processes forming a
-    ``backend`` group on this machine; return the first non-zero exit code, or 0."""
+    ``backend`` group on this machine; return the first non-zero exit code, or 0. Each
+    process holds ``lock`` (the run folder's, held here) from its start until it exits, so
+    the folder stays locked while any of them lives, even if this process is killed."""
     # Ctrl-C reaches every process of the terminal's group: the trainers stop and save
     # on their own, and this process keeps waiting to report how they ended.
     previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
     try:
         port = int(os.environ.get("MASTER_PORT") or _free_port())
         with idist.Parallel(backend=backend, nproc_per_node=nproc, master_port=port) as parallel:
-            parallel.run(_process_main, fn, args)
+            parallel.run(_process_main, lock, fn, args)
     except ProcessRaisedException as failure:
         print(f"error: process {failure.error_index} failed:{failure.msg}", file=sys.stderr)
         return 1
@@ -134,7 +138,10 @@ def spawn(fn: Callable[..., int], *args: Any, nproc: int, backend: str) -> int:
     return 0
 
 
-def _process_main(local_rank: int, fn: Callable[..., int], args: tuple[Any, ...]) -> None:
+def _process_main(local_rank: int, lock: RunLock | None, fn: Callable[..., int],
+                  args: tuple[Any, ...]) -> None:
+    # ``lock`` needs no call: unpickled as this process started, it holds the run's lock
+    # until the process exits (recipes.runner.lock).
     try:
         exit_code = fn(local_rank, *args)
     except USER_ERRORS as error:

@@ -118,13 +118,13 @@ def run(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
     if finished is not None:
         print(finished)
         return 0
-    with _locked_setup(recipe, config, given) as started:
+    with _locked_setup(recipe, config, given) as (started, lock):
         if config.nproc == 1:
             exit_code = train(recipe, config, started)
-        else:
+        else:  # every process holds the lock too: it outlives this one if this is killed
             exit_code = spawn(train_process, recipe_ref(recipe), dataclasses.asdict(config),
                               started.run_dir, started.run_id, started.fingerprint,
-                              nproc=config.nproc, backend=_launch(config).backend)
+                              nproc=config.nproc, backend=_launch(config).backend, lock=lock)
     if exit_code in STOP_EXIT_CODES.values():  # stopped by a signal once its step was saved
         print(f"stopped; to continue this run: {continue_command()}")
     return exit_code
@@ -135,11 +135,13 @@ def _launch(config: RunConfig):
 
 
 @contextmanager
-def _locked_setup(recipe: Recipe, config: RunConfig, given: set[str]) -> Iterator[Started]:
-    """``setup`` under the run folder's lock, held until the run ends (the whole group's)."""
+def _locked_setup(recipe: Recipe, config: RunConfig, given: set[str]
+                  ) -> Iterator[tuple[Started, RunLock]]:
+    """``setup`` under the run folder's lock, held here until the run ends (the whole
+    group's), and the lock, for the spawned processes to hold as well."""
     lock = RunLock(resolve_run_dir(recipe.name, config.run_name, config.run_dir))
     try:
-        yield setup(recipe, config, given, lock)
+        yield setup(recipe, config, given, lock), lock
     finally:
         lock.release()
 

@@ -402,6 +402,7 @@ def harness(recipe_case) -> SimpleNamespace:
         recipe=recipe_case.name, fixed_keys={**FIXED_RUN_KEYS, **recipe_case.fixed_keys},
         run_recipe=functools.partial(run_recipe, recipe_case),
         run_and_signal=functools.partial(run_and_signal, recipe_case), copy_run=copy_run,
+        command=functools.partial(recipe_command, recipe_case), child_env=child_env,
         file_digests=digests, final_checkpoint=final_checkpoint, differences=differences,
         checkpoint_files=checkpoint_files, tensorboard_scalars=tensorboard_scalars,
         Reference=Reference, SIGNALS=SIGNALS,

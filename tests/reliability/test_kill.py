@@ -3,8 +3,12 @@ command again finishes the run bit-identically to one that was never interrupted
 same records in metrics.jsonl."""
 
 import json
+import os
 import random
 import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +196,65 @@ def test_crash_inside_a_sharded_save_then_rerun_finishes_identically(fsdp_job, t
     assert resumed.returncode == 0, resumed.stderr
     assert "iteration 9, step 9)" in resumed.stdout
     fsdp_job.reference.assert_matches(run_dir)
+
+
+# Three 2-process starts (~2 min on 2 cores): slow; tests/recipes/runner/test_lock.py keeps the
+# mechanism (a spawned process holds the lock past a kill -9 of its parent) in `make test`.
+@pytest.mark.slow
+def test_kill9_of_the_nproc_launcher_keeps_the_folder_locked_until_its_last_process_ends(
+        harness, tmp_path):
+    """``kill -9`` of the ``--nproc 2`` parent while its two processes live on (stopped here,
+    so that they surely outlive it; torch's spawn sends them SIGINT as the parent dies, and
+    they finish the step and save): a start of the same folder is refused with the lock's one
+    line naming them, never runs beside them; once they have ended, the same command
+    continues the run to its end."""
+    run_dir = tmp_path / "run"
+    command = harness.command(run_dir, "--nproc", "2")
+    launcher = subprocess.Popen(command, env=harness.child_env(), cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ranks: list[int] = []
+    try:
+        while not launcher.stdout.readline().startswith("epoch "):  # both processes train
+            assert launcher.poll() is None, "the --nproc 2 run ended before its first step"
+        ranks += _spawned_processes(launcher.pid)
+        assert len(ranks) == 2
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        launcher.kill()
+        launcher.wait()
+
+        second = harness.run_recipe(run_dir, "--nproc", "2")
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        assert lines[0].startswith(f"error: {run_dir} is in use by processes "), lines[0]
+        assert all(str(pid) in lines[0] for pid in ranks), lines[0]
+        assert all(_alive(pid) for pid in ranks)
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid in filter(_alive, ranks):
+            os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 120
+    while any(_alive(pid) for pid in ranks):  # they finish the step, save and exit
+        assert time.monotonic() < deadline, "the old processes did not end"
+        time.sleep(0.1)
+
+    third = harness.run_recipe(run_dir, "--nproc", "2")
+    assert third.returncode == 0, third.stderr
+    assert "resumed from" in third.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+
+def _spawned_processes(parent: int) -> list[int]:
+    """The processes the ``--nproc`` parent spawned (not its resource tracker)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    return [int(pid) for pid in children
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process exists and has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

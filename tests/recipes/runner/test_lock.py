@@ -1,5 +1,7 @@
+import contextlib
 import fcntl
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -163,3 +165,60 @@ def test_a_lock_that_is_not_a_regular_file_is_refused(tmp_path, kind):
     with pytest.raises(ConfigError, match="not a regular file") as refused:
         RunLock(run_dir).acquire()
     assert "\n" not in str(refused.value)
+
+
+SPAWNING_HOLDER = """
+import multiprocessing, os, sys, time
+from recipes.runner.lock import RunLock
+
+
+def hold(lock):
+    worker = os.fork()  # as its DataLoader forks its workers
+    if worker == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(os.getpid(), worker, flush=True)
+    time.sleep(60)
+
+
+if __name__ == "__main__":
+    lock = RunLock(sys.argv[1])
+    lock.acquire()
+    context = multiprocessing.get_context("spawn")  # as --nproc spawns its processes
+    context.Process(target=hold, args=(lock,)).start()
+    time.sleep(60)
+"""
+
+
+def test_a_spawned_process_holds_the_lock_until_it_exits_even_after_a_kill_9_of_its_parent(
+        tmp_path):
+    """The ``--nproc`` parent passes its ``RunLock`` to each process it spawns, which then
+    holds the lock too: killed with ``kill -9``, the parent leaves the folder locked while a
+    process it spawned lives on (that process's own forked workers do not hold it)."""
+    script = tmp_path / "holder.py"
+    script.write_text(SPAWNING_HOLDER)
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, str(script), str(run_dir)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    spawned, worker = map(int, holder.stdout.readline().split())
+    try:
+        holder.kill()
+        holder.wait()
+        refused = try_from_another_process(run_dir)
+        assert refused.returncode == 2
+        assert (f"in use by processes {holder.pid}, {spawned} on host {socket.gethostname()} "
+                in refused.stdout), refused.stdout
+        os.kill(spawned, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while try_from_another_process(run_dir).returncode == 2:  # until it is reaped
+            assert time.monotonic() < deadline, "the lock outlived the spawned process"
+        os.kill(worker, 0)  # its forked worker is still alive, and holds nothing
+    finally:
+        for pid in (spawned, worker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_only_a_held_lock_can_be_passed_to_a_spawned_process(tmp_path):
+    with pytest.raises(RuntimeError, match="not held"):
+        pickle.dumps(RunLock(tmp_path / "run"))
