@@ -40,6 +40,7 @@ from recipes.runner.config import (
     parse_args,
     unknown_key,
 )
+from recipes.runner.interpreter import recipes_command
 
 # What a run folder's config.json holds besides its keys: they describe that run.
 RUN_RECORD = ("run_id", "data", "environment", "init_from")
@@ -221,7 +222,7 @@ def config_toml(config: Any, recipe_name: str) -> str:
     help (and its default, where the value differs) as a comment above it. A key without a
     value (None, or an empty text, at its default) is commented out: read back, it takes
     the same default, and it counts as not given (an empty ``run_name`` given is refused)."""
-    prog = f"python -m recipes {recipe_name}"
+    prog = recipes_command(recipe_name)
     lines = [f"# {prog}: the resolved config (defaults < --config file < command line).",
              f"# Run it with: {prog} --config FILE [--key value ...]",
              '# A commented-out key has no value; "none" is how a file says no value.']

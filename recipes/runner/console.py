@@ -13,6 +13,7 @@ from engine import resolve_precision
 from handlers.checkpoint_files import checkpoint_in
 from handlers.progress import best_so_far, format_duration
 from recipes.runner.api import Recipe
+from recipes.runner.interpreter import recipes_command
 from recipes.runner.run_config import RunConfig
 from recipes.runner.standard_handlers import StandardHandlers
 
@@ -78,8 +79,8 @@ def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
     lines.append(f"  summary  {run_dir / 'summary.json'}")
     lines.append(f"  curves   {TENSORBOARD}")
     if has_best:
-        lines.append(f"  evaluate python -m recipes {recipe_name} evaluate {run_dir}")
+        lines.append(f"  evaluate {recipes_command(recipe_name)} evaluate {run_dir}")
     if status == "completed" and not summary["stopped_early"]:  # a stopped run: run.py's line
-        lines.append(f"  longer   python -m recipes {recipe_name} --run-dir {run_dir} "
+        lines.append(f"  longer   {recipes_command(recipe_name)} --run-dir {run_dir} "
                      f"--epochs {2 * epochs} (continues this run)")
     return lines

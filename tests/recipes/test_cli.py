@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ pytestmark = pytest.mark.filterwarnings(  # torchvision 0.29 deprecates its JPEG
 REPO = Path(__file__).resolve().parents[2]
 CLI_TIMEOUT_SEC = 600  # a hung run fails its test instead of hanging the suite
 # The tiny run whose outputs several tests inspect: 256 // 64 = 4 optimizer steps per epoch.
+PYTHON = shlex.quote(sys.executable)  # what a subprocess's next steps name
 TINY = ["--dataset", "synthetic", "--train-subset", "256", "--val-subset", "128",
         "--batch-size=64", "--epochs=2", "--warmup-epochs", "0.5", "--progress", "off"]
 TINY_STEPS = 2 * (256 // 64)
@@ -388,8 +390,8 @@ def test_tiny_run_console_opens_with_the_run_and_ends_with_the_best_and_what_nex
         f"{summary['best_val_accuracy']:.4g} (epoch {best['epoch']})",
         f"  summary  {folder}/summary.json",
         "  curves   make tensorboard (then open http://127.0.0.1:6006)",
-        f"  evaluate python -m recipes cifar evaluate {folder}",
-        f"  longer   python -m recipes cifar --run-dir {folder} --epochs 4 (continues this run)"]
+        f"  evaluate {PYTHON} -m recipes cifar evaluate {folder}",
+        f"  longer   {PYTHON} -m recipes cifar --run-dir {folder} --epochs 4 (continues this run)"]
     assert "{" not in result.stdout  # the raw numbers stay in summary.json
 
 

@@ -182,11 +182,14 @@ def test_a_run_in_use_by_another_process_is_refused_by_its_lock(tmp_path, monkey
     assert out.startswith("continuing runs/charlm/20260101-000000 ")
 
 
-def test_the_continue_command_leaves_out_the_resume_request(monkeypatch):
+def test_the_continue_command_leaves_out_the_resume_request(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
     monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "recipes", "cifar", "--resume",
                                            "never", "--epochs", "3", "--resume=old.pt",
                                            "--run-name", "a b"])
-    assert continue_command() == "python -m recipes cifar --epochs 3 --run-name 'a b'"
+    # the interpreter that ran it, not the `python` of an activated venv
+    assert continue_command() == ".venv/bin/python -m recipes cifar --epochs 3 --run-name 'a b'"
 
 
 # --- make train --------------------------------------------------------------------------
