@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -215,6 +216,35 @@ def test_make_train_takes_a_stop_by_signal_for_no_error(exit_code, an_error, tmp
     assert done.returncode == (2 if an_error else 0)  # make's own code for a failed recipe
     error = re.fullmatch(rf"make: \*\*\* \[Makefile:\d+: train\] Error {exit_code}\n", done.stderr)
     assert bool(error) if an_error else done.stderr == "", done.stderr
+
+
+def test_ctrl_c_under_make_train_saves_the_run_and_make_reports_the_interrupt(tmp_path):
+    """Ctrl-C goes to the terminal's whole process group: make as well as the run. The run
+    saves and prints its continue line; make, interrupted itself, ends by SIGINT (a shell's
+    exit status 130), as the README says. A tiny run long enough to be mid-training."""
+    write_text(tmp_path)
+    args = shlex.join([*CHARLM[1:-4], "--epochs", "200", "--checkpoint-every", "1",
+                       "--run-name", "ctrl-c"])
+    make = subprocess.Popen(["make", "--no-print-directory", "-f", str(REPO / "Makefile"),
+                             "train", f"PY={sys.executable}", "STAMP=", "RECIPE=charlm",
+                             f"ARGS={args}"], cwd=tmp_path, start_new_session=True,
+                            env=_outside_make() | {"PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in make.stdout:  # the first training step has run
+            if line.startswith("check: first loss"):
+                break
+        os.killpg(make.pid, signal.SIGINT)
+        out, err = make.communicate(timeout=TIMEOUT_SEC)
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGKILL)
+    assert make.returncode == -signal.SIGINT, err
+    assert "stopped; to continue this run: " in out, err
+    summary = json.loads((tmp_path / "runs" / "charlm" / "ctrl-c" / "summary.json").read_text())
+    assert summary["status"] == "interrupted by SIGINT"
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "make itself is interrupted too and exits 130" in readme
 
 
 # --- torchrun: rank 0 chooses, every rank follows ---------------------------------------
