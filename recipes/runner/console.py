@@ -11,7 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from engine import resolve_precision
 from handlers.checkpoint_files import checkpoint_in
-from handlers.progress import best_so_far, format_duration
+from handlers.progress import best_so_far, divergence, format_duration
 from recipes.runner.api import Recipe
 from recipes.runner.interpreter import recipes_command
 from recipes.runner.run_config import RunConfig
@@ -63,12 +63,17 @@ def header(recipe_name: str, config: RunConfig, run_dir: Path, samples: tuple[in
 
 def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
             handlers: StandardHandlers) -> list[str]:
-    """The run's last lines: how it ended, the best checkpoint with its metric and epoch,
-    the summary's path and the commands that come next."""
+    """The run's last lines: how it ended (and a warning when its validation loss diverged),
+    the best checkpoint with its metric and epoch, the summary's path and the commands that
+    come next."""
     status, epochs = summary["status"], handlers.evaluation.epochs
     lines = [f"{status}: epoch {summary['epochs_completed']}/{epochs}, "
              f"{summary['optimizer_steps']:,} steps in "
              f"{format_duration(summary['wall_time_sec'])}"]
+    diverged = divergence(handlers.history)
+    if diverged is not None:  # a run can complete every epoch and still have diverged
+        lines.append(f"  warning  {diverged}: the run diverged; try a lower --lr (a third "
+                     "or a tenth)")
     best_file = checkpoint_in(run_dir / "checkpoints", "best")  # best.pt, or best.dcp
     evaluations = handlers.progress.evaluations
     found = best_so_far(evaluations.history, evaluations.best, evaluations.steps_per_epoch)

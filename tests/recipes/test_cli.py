@@ -395,6 +395,18 @@ def test_tiny_run_console_opens_with_the_run_and_ends_with_the_best_and_what_nex
     assert "{" not in result.stdout  # the raw numbers stay in summary.json
 
 
+def test_tiny_run_writes_its_json_files_as_open_would_under_the_umask(tiny_run):
+    """config.json and summary.json as metrics.jsonl: readable by others under umask 022
+    (the subprocess inherits this process's umask); checkpoints keep their 0o640."""
+    _, run_dir = tiny_run
+    mask = os.umask(0o022)
+    os.umask(mask)
+    modes = {name: (run_dir / name).stat().st_mode & 0o777
+             for name in ("config.json", "summary.json", "metrics.jsonl")}
+    assert modes == dict.fromkeys(modes, 0o666 & ~mask)
+    assert (run_dir / "checkpoints" / "last.pt").stat().st_mode & 0o777 == 0o640
+
+
 def test_tiny_run_draws_the_curves(tiny_run):
     _, run_dir = tiny_run
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
