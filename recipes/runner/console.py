@@ -2,6 +2,7 @@
 what) and the end (how it ended, the best checkpoint, the summary, the next commands).
 The raw numbers stay in ``summary.json``; these lines are for the person watching."""
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,11 @@ def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
     the best checkpoint with its metric and epoch, the summary's path and the commands that
     come next."""
     status, epochs = summary["status"], handlers.evaluation.epochs
-    lines = [f"{status}: epoch {summary['epochs_completed']}/{epochs}, "
+    evaluations = handlers.progress.evaluations
+    # The epoch in progress, 1-based, as the progress lines count it (a stop mid-epoch 1 is
+    # in epoch 1, not after epoch 0).
+    epoch = max(1, math.ceil(summary["optimizer_steps"] / evaluations.steps_per_epoch))
+    lines = [f"{status}: epoch {epoch}/{epochs}, "
              f"{summary['optimizer_steps']:,} steps in "
              f"{format_duration(summary['wall_time_sec'])}"]
     diverged = divergence(handlers.history)
@@ -75,7 +80,6 @@ def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
         lines.append(f"  warning  {diverged}: the run diverged; try a lower --lr (a third "
                      "or a tenth)")
     best_file = checkpoint_in(run_dir / "checkpoints", "best")  # best.pt, or best.dcp
-    evaluations = handlers.progress.evaluations
     found = best_so_far(evaluations.history, evaluations.best, evaluations.steps_per_epoch)
     has_best = found is not None and best_file is not None
     if has_best:

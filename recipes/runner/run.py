@@ -353,7 +353,8 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     if info is not None and rank == 0:
         for name, reason in info.rejected:
             print(f"skipped checkpoint {name}: {reason}", file=sys.stderr)
-        print(f"resumed from {info.path} (epoch {trainer.state.epoch}, "
+        epoch = math.ceil(trainer.state.iteration / len(parts.train_batches))  # in progress
+        print(f"resumed from {info.path} (epoch {epoch}, "
               f"iteration {trainer.state.iteration}, step {trainer.state.optimizer_step})")
     epoch_length = len(parts.train_batches)
     early_stopping = handlers.early_stopping

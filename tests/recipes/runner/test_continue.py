@@ -62,6 +62,8 @@ def test_a_stopped_run_prints_the_command_that_continues_it_in_the_same_folder(t
     command = [sys.executable, str(RUN_RECIPE), *CHARLM]
     stopped = run_command(command, tmp_path, RELIABILITY_SIGNAL_AT="SIGTERM:iteration:5")
     assert stopped.returncode == 143, stopped.stderr
+    # One count of epochs: the one in progress, 1-based, as the progress lines say.
+    assert "\ninterrupted by SIGTERM: epoch 1/2, 5 steps in " in stopped.stdout
     [folder] = run_folders(tmp_path)
     assert STAMPED.fullmatch(folder)
     last_line = stopped.stdout.strip().splitlines()[-1]
@@ -71,7 +73,7 @@ def test_a_stopped_run_prints_the_command_that_continues_it_in_the_same_folder(t
     continued = run_command(printed, tmp_path)
     assert continued.returncode == 0, continued.stderr
     assert f"continuing runs/charlm/{folder} " in continued.stdout
-    assert "resumed from" in continued.stdout
+    assert "(epoch 1, iteration 5, step 5)\n" in continued.stdout
     assert run_folders(tmp_path) == [folder]
     summary = json.loads((tmp_path / "runs" / "charlm" / folder / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["epochs_completed"] == 2
@@ -280,7 +282,7 @@ def test_the_same_torchrun_command_again_continues_its_run_then_reports_it_compl
     continued = run_command(command, tmp_path, **env)
     assert continued.returncode == 0, continued.stderr
     assert continued.stdout.count(f"continuing runs/charlm/{folder} ") == 1
-    assert "resumed from" in continued.stdout
+    assert "(epoch 1, iteration 5, step 5)\n" in continued.stdout
     assert run_folders(tmp_path) == [folder]
     run_dir = tmp_path / "runs" / "charlm" / folder
     summary = json.loads((run_dir / "summary.json").read_text())
