@@ -2,6 +2,7 @@
 what) and the end (how it ended, the best checkpoint, the summary, the next commands).
 The raw numbers stay in ``summary.json``; these lines are for the person watching."""
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,15 @@ def print_header(recipe: Recipe, config: RunConfig, run_dir: Path, data: Any,
                  model: nn.Module) -> None:
     source = recipe.data_source(config) if recipe.data_source is not None else None
     print("\n".join(header(recipe.name, config, run_dir, recipe.sample_counts(data), model,
-                           source)), flush=True)
+                           source, _init_from(run_dir))), flush=True)
+
+
+def _init_from(run_dir: Path) -> dict[str, Any] | None:
+    """The ``--init-from`` record of the run's config.json (kept on resumes), if any."""
+    try:
+        return json.loads((run_dir / "config.json").read_text()).get("init_from")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def print_closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
@@ -36,9 +45,11 @@ def print_closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
 
 
 def header(recipe_name: str, config: RunConfig, run_dir: Path, samples: tuple[int, int],
-           model: nn.Module, source: str | None = None) -> list[str]:
+           model: nn.Module, source: str | None = None,
+           init_from: dict[str, Any] | None = None) -> list[str]:
     """The run's first lines: recipe, run folder, data (from ``source``, else the config's
-    data keys), model, device and precision, and how to watch it."""
+    data keys), model (and the checkpoint whose weights it began with, ``init_from``'s
+    record), device and precision, and how to watch it."""
     if source is None:
         source = ", ".join(f"--{key.replace('_', '-')} {getattr(config, key)}"
                            for key in DATA_KEYS
@@ -52,11 +63,15 @@ def header(recipe_name: str, config: RunConfig, run_dir: Path, samples: tuple[in
     if precision.device.type == "cuda":
         device += f" ({torch.cuda.get_device_name(precision.device)})"
     epochs = f"{config.epochs} epoch{'s' if config.epochs > 1 else ''}"
+    init = [] if not init_from else [
+        f"  init     --init-from: began with the weights of {init_from['path']} (epoch "
+        f"{init_from.get('epoch')}, step {init_from.get('optimizer_step')})"]
     return [
         f"{recipe_name} run in {run_dir}",
         f"  data     {samples[0]:,} training, {samples[1]:,} validation samples"
         + (f" from {source}" if source else ""),
         f"  model    {name}, {parameters:,} parameters",
+        *init,
         f"  device   {device}, {precision.name}; {epochs} of batch {config.batch_size}",
         f"  watch    {TENSORBOARD}",
     ]

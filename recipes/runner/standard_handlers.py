@@ -223,7 +223,9 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         checkpoint_format=checkpoint_format(config.strategy))
     stop = GracefulStop(checkpointer.last_handler)  # every rank gets the signal, all save
     in_order: list[Handler | None] = [
-        StartupChecks(site.num_classes) if config.checks == "on" else None,
+        # A fresh run from --init-from starts on trained weights (a resume is not checked).
+        StartupChecks(site.num_classes, trained_weights=bool(config.init_from))
+        if config.checks == "on" else None,
         telemetry,  # the step's numbers, before anything that reports them
         history,
         site.cost,  # at EPOCH_COMPLETED, before the evaluation line and the logger show it
