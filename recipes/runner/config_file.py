@@ -194,9 +194,26 @@ def _typed(name: str, value: Any, annotation: Any) -> Any:
     elif kind in (int, str) and isinstance(value, kind):
         return value
     none = " or none" if optional else ""
-    shown = repr(value) if isinstance(value, str | int | float | bool) else _kind(value)
+    if isinstance(value, str):  # "500" looks like 500 in a message: say what it is
+        shown = f"the string {value!r}" + (" (no quotes for a number or true/false)"
+                                           if _reads_as(value, kind) else "")
+    elif isinstance(value, int | float | bool):
+        shown = _toml_value(value)
+    else:
+        shown = _kind(value)
     raise ConfigError(f"{flag_name(name)}: expected {_TYPE_NAMES.get(kind, kind)}{none}, "
                       f"got {shown}")
+
+
+def _reads_as(text: str, kind: type) -> bool:
+    """Whether ``text`` would be a value of ``kind`` written without quotes."""
+    if kind is bool:
+        return text in ("true", "false")
+    try:
+        kind(text)
+    except (TypeError, ValueError):
+        return False
+    return kind in (int, float)
 
 
 def _kind(value: Any) -> str:
