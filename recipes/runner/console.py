@@ -104,6 +104,10 @@ def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
     lines.append(f"  curves   {TENSORBOARD}")
     if has_best:
         lines.append(f"  evaluate {recipes_command(recipe_name)} evaluate {run_dir}")
+    if status.startswith("stopped by --max-"):  # a budget: the same run goes on with more
+        key = status.removeprefix("stopped by ").split()[0]
+        lines.append(f"  continue {recipes_command(recipe_name)} --run-dir {run_dir} {key} "
+                     "<more, or none> (continues this run)")
     if status == "completed" and not summary["stopped_early"]:  # a stopped run: run.py's line
         lines.append(f"  longer   {recipes_command(recipe_name)} --run-dir {run_dir} "
                      f"--epochs {2 * epochs} (continues this run)")

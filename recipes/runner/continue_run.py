@@ -25,8 +25,9 @@ from recipes.runner.interpreter import interpreter
 from recipes.runner.run_config import RunConfig
 
 # Keys that ask something of this start, or place its output, without changing what is
-# trained: two commands that differ only in these are the same run.
-RUN_REQUESTS = ("resume", "progress", "allow_data_change", "run_dir")
+# trained: two commands that differ only in these are the same run (a run stopped by
+# --max-steps or --max-time goes on with the same command and a larger budget).
+RUN_REQUESTS = ("resume", "progress", "allow_data_change", "run_dir", "max_steps", "max_time")
 TIMESTAMP = re.compile(r"(\d{8}-\d{6})(?:-(\d+))?")  # a default run folder; -N on a clash
 
 

@@ -390,6 +390,8 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     stop = handlers.stop
     if stop.exit_code is not None and exit_code == 0:  # a failed save outranks the signal
         status, exit_code = f"interrupted by {stop.received.name}", stop.exit_code
+    elif handlers.budget is not None and handlers.budget.reason and exit_code == 0:
+        status = f"stopped by {handlers.budget.reason}"  # by request: exit 0
     if rank == 0:
         environment = environment_record(process_device(config.device), world)
         exit_code = _write_summary(recipe, trainer, handlers, started, status,
