@@ -17,7 +17,8 @@ $(STAMP): setup.cfg pyproject.toml
 
 # A run stopped by Ctrl-C or SIGTERM (exit 130 or 143) has saved its step and printed the command
 # that continues it: not a make error. The trap keeps the shell waiting for the run when the
-# signal reaches the whole process group (Ctrl-C does), instead of ending before it.
+# signal reaches the whole process group (Ctrl-C does), instead of ending before it. Make gets
+# that Ctrl-C too and, once the run has ended, exits by it (130): no makefile can stop that.
 train: $(STAMP)
 	$(info $(PY) -m recipes $(RECIPE) $(ARGS))
 	@trap : INT TERM; $(PY) -m recipes $(RECIPE) $(ARGS) || { code=$$?; \

@@ -15,16 +15,18 @@ from typing import Any, BinaryIO
 from handlers.crash_points import CrashPoints
 
 
-def write_atomically(path: Path, write: Callable[[BinaryIO], Any], *, file_mode: int = 0o600,
-                     crash: CrashPoints | None = None) -> None:
+def write_atomically(path: Path, write: Callable[[BinaryIO], Any], *,
+                     file_mode: int | None = None, crash: CrashPoints | None = None) -> None:
     """Write ``path`` through ``write(file)`` so that it either appears whole or not at all,
-    with permissions ``file_mode``; ``crash`` stops the process at each phase in fault tests."""
+    with permissions ``file_mode`` (None: those a plain ``open`` gives, 0o666 less the umask);
+    ``crash`` stops the process at each phase in fault tests."""
     reach = crash.reach if crash is not None else lambda phase: None
     reach("before_temp")
+    mode = 0o666 & ~current_umask() if file_mode is None else file_mode
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as file:
-            os.fchmod(file.fileno(), file_mode)
+            os.fchmod(file.fileno(), mode)  # mkstemp's file is 0o600 whatever the umask
             write(file)
             reach("mid_write")
             file.flush()
@@ -35,6 +37,19 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], Any], *, file_mode:
         fsync_dir(path.parent)
     finally:
         Path(temp).unlink(missing_ok=True)  # already gone after a successful replace
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it: setting it to read
+    it back would, for that instant, give other threads' new files no mask at all."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines()
+                        if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration):
+        mask = os.umask(0o077)  # the strictest mask, should another thread create a file now
+        os.umask(mask)
+        return mask
 
 
 def fsync_dir(dirname: Path) -> None:

@@ -1,6 +1,7 @@
 """Stop on SIGTERM or Ctrl-C without losing the run: finish the step, commit, exit."""
 
 import signal
+import sys
 from collections.abc import Callable
 from types import FrameType
 
@@ -22,9 +23,12 @@ class GracefulStop:
     window and not at an epoch's last iteration; under several processes with one
     small all-reduce there, so every rank stops after the same step) and
     ``Events.EPOCH_COMPLETED`` (after the epoch's evaluation and checkpoint: attach
-    it after those). A second signal while waiting restores Python's default
-    behaviour, so pressing Ctrl-C twice stops at once. ``exit_code`` is 143 or 130
-    once a signal was handled, else None. Call ``restore()`` when the run is over.
+    it after those). A second signal while waiting restores the previous handlers and
+    hands it to them, so pressing Ctrl-C twice stops at once; where that handler is
+    Python's own (a ``KeyboardInterrupt`` and its traceback), one line is printed and the
+    process ends by the signal, as its default action does (exit status 130).
+    ``exit_code`` is 143 or 130 once a signal was handled, else None. Call ``restore()``
+    when the run is over.
 
     Example::
 
@@ -64,7 +68,14 @@ class GracefulStop:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
+            previous = self._previous.get(signal.Signals(signum))
             self.restore()
+            if previous is signal.default_int_handler:  # a KeyboardInterrupt: a traceback
+                # of wherever the step was, dozens of lines; end as the signal's default does
+                print(f"{signal.Signals(signum).name} again: stopping at once",
+                      file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
         self.received = signal.Signals(signum)

@@ -93,7 +93,8 @@ class RunHistory:
         samples = (self._trainer.state.iteration - iteration) * self.batch_size
         return time.monotonic() - started, samples
 
-    def _wall_time(self) -> float:
+    def wall_time(self) -> float:
+        """The run's wall time so far, every session's (``--max-time`` spends it)."""
         return self._wall_before_session + time.monotonic() - self._session_start
 
     def summary(self, trainer: Trainer) -> dict[str, Any]:
@@ -112,7 +113,7 @@ class RunHistory:
             "stopped_early": self.stopped_early,
             "optimizer_steps": trainer.state.optimizer_step,
             "skipped_steps": trainer.state.skipped_steps,
-            "wall_time_sec": round(self._wall_time(), 3),
+            "wall_time_sec": round(self.wall_time(), 3),
             "train_time_sec": round(train_time, 3),
             "samples_per_sec": round(samples / train_time, 2) if train_time else None,
         }
@@ -127,7 +128,7 @@ class RunHistory:
             "epochs_completed": self.epochs_completed,
             "train_time_sec": self.train_time_sec + seconds,
             "train_samples": self.train_samples + samples,
-            "wall_time_sec": self._wall_time(),
+            "wall_time_sec": self.wall_time(),
             "stopped_early": self.stopped_early,
         }
 

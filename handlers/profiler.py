@@ -1,5 +1,6 @@
 """``torch.profiler`` over a window of optimizer steps: a trace and the top operators."""
 
+import os
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -12,16 +13,22 @@ from engine import Trainer, TrainEvents
 from handlers.arguments import check_int
 
 TOP_OPERATORS = 10  # lines of the table printed when the window ends
+# Kineto, the profiler's C++ side, logs straight to stderr: on a machine without a GPU a CUDA
+# build of torch says "ERROR ... gpuGetDeviceCount failed" and "profiler_start/stop" lines at
+# every window, though only CPU activity is asked for. Above its highest level it says
+# nothing; it reads the variable when the first profiler starts, and a user's value is kept.
+KINETO_QUIET = {"KINETO_LOG_LEVEL": "6"}
 
 
 class StepProfiler:
     """Profiles optimizer steps ``start + 1`` to ``stop`` (``start:stop`` counts steps as
     a slice does: ``0:10`` is the run's first ten) with ``torch.profiler``: CPU activity,
-    and CUDA's when ``cuda``. When the window ends it writes
-    ``trace_dir/trace-steps-FIRST-LAST.json.gz`` (Chrome's trace format, gzipped; Perfetto and
-    ``chrome://tracing`` open it), named by the steps it holds so that a run interrupted inside
-    the window and resumed keeps both parts, and prints the ``top`` operators by self time (the
-    device's with ``cuda``). ``trace_path`` is that file once written, else None.
+    and CUDA's when ``cuda`` (without, the profiler's C++ logging is off: ``KINETO_QUIET``).
+    When the window ends it writes ``trace_dir/trace-steps-FIRST-LAST.json.gz`` (Chrome's
+    trace format, gzipped; Perfetto and ``chrome://tracing`` open it), named by the steps it
+    holds so that a run interrupted inside the window and resumed keeps both parts, and prints
+    the ``top`` operators by self time (the device's with ``cuda``). ``trace_path`` is that
+    file once written, else None.
 
     ``attach(trainer, evaluator=None)`` registers on the trainer:
     - ``Events.STARTED`` and ``TrainEvents.OPTIMIZER_STEP``: the window opens once
@@ -63,6 +70,9 @@ class StepProfiler:
                 self._profiler.step()
         elif not self.done and self.start <= step < self.stop:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            if not self.cuda:
+                for name, value in KINETO_QUIET.items():
+                    os.environ.setdefault(name, value)
             # A schedule (one that always records, as profile's default) is what makes
             # profile.step() mark each step ProfilerStep#N; numbered by optimizer step.
             self._profiler = profile(activities=activities,

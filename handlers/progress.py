@@ -22,7 +22,7 @@ from handlers.time_left import EvaluationSchedule, TimeLeft
 PROGRESS_MODES = ("auto", "bar", "plain", "off")
 EVAL_QUIET_SEC = 3.0  # an evaluation shorter than this shows no progress of its own
 EVAL_LINE_EVERY_SEC = 10.0  # plain mode: a progress line of a long evaluation this often
-DIVERGED_RATIO = 3.0  # a validation loss this many times its first value: a warning
+DIVERGED_RATIO = 3.0  # a validation loss this many times its start's: a warning
 BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]"
 
 
@@ -72,7 +72,8 @@ class Progress:
     ``| per device: 812 samples/s, 104k tokens/s, MFU n/a, peak mem 1.2 GB``);
     an evaluation that takes longer than ``EVAL_QUIET_SEC`` shows its own progress (a
     second bar, or a line every ``EVAL_LINE_EVERY_SEC``). A validation loss that rises
-    above ``DIVERGED_RATIO`` times its first value gets one warning line.
+    above ``DIVERGED_RATIO`` times its first value or the first training loss gets one
+    warning line (``divergence``).
 
     The bar is one tqdm bar for the whole run; its ``eta`` is the same estimate as the
     plain lines'. It drives tqdm directly rather than through Ignite's
@@ -217,16 +218,14 @@ class Progress:
         self._warn_if_diverging()
 
     def _warn_if_diverging(self) -> None:
-        losses = self.evaluations.history.val.get("loss", [])
-        if self._warned_divergence or len(losses) < 2:
+        if self._warned_divergence:
             return
-        first, last = losses[0], losses[-1]
-        if math.isfinite(last) and last <= DIVERGED_RATIO * first:
+        why = divergence(self.evaluations.history)
+        if why is None:
             return
         self._warned_divergence = True
-        self._print(f"warning: the validation loss rose to {_number(last)} from "
-                    f"{_number(first)} at the first evaluation: the training is diverging; "
-                    "try a lower --lr (a third or a tenth)")
+        self._print(f"warning: {why}: the training is diverging; try a lower --lr (a third "
+                    "or a tenth)")
 
     def _print(self, line: str) -> None:
         stream = self.stream or sys.stdout
@@ -234,6 +233,28 @@ class Progress:
             tqdm.write(line, file=stream)  # above the bars, which are drawn again below
         else:
             print(line, file=stream, flush=True)
+
+
+def divergence(history: RunHistory) -> str | None:
+    """Why the last validation loss says the run diverged, else None: it is not finite, or
+    above ``DIVERGED_RATIO`` times a sane reference, the smaller of the first evaluation's
+    loss and the first training loss reported. The training loss is needed: a first
+    evaluation that comes after the divergence (a high LR from the start) would hide it."""
+    losses, train = history.val.get("loss", []), history.train["loss"]
+    if not losses:
+        return None
+    last = losses[-1]
+    references = [(value, what) for value, what in (
+        (losses[0] if len(losses) > 1 else math.nan, "the first evaluation's"),
+        (train[0] if train else math.nan, "the first training loss"))
+        if math.isfinite(value)]
+    if math.isfinite(last) and all(last <= DIVERGED_RATIO * value for value, _ in references):
+        return None
+    if not references:
+        return f"the validation loss is {_number(last)}"
+    value, what = min(references)
+    return (f"the validation loss rose to {_number(last)}, over {DIVERGED_RATIO:g}x "
+            f"{what} {_number(value)}")
 
 
 def format_duration(seconds: float) -> str:

@@ -37,17 +37,20 @@ class StartupChecks:
       forward pass would fail on them;
     - with ``num_classes``, the first loss of a fresh run should be within
       ``loss_tolerance`` (relative) of ln(num_classes); a warning otherwise. A resumed run
-      starts from trained weights, so its first loss is not checked.
+      starts from trained weights, so its first loss is not checked. A fresh run with
+      ``trained_weights`` (a fine-tune) is expected below ln(num_classes): its line says
+      so, and warns only when the loss is far above it (classes in another order?).
 
     The checks read the device once each, at the first iteration only.
     """
 
     def __init__(self, num_classes: int | None = None, loss_tolerance: float = 0.5,
-                 stream: TextIO | None = None) -> None:
+                 stream: TextIO | None = None, *, trained_weights: bool = False) -> None:
         if num_classes is not None:
             check_int("num_classes", num_classes, 2)
         check_number("loss_tolerance", loss_tolerance, 0, 1, "()")
         self.num_classes, self.loss_tolerance, self.stream = num_classes, loss_tolerance, stream
+        self.trained_weights = trained_weights
         self.findings: list[str] = []
         self._fresh = True
 
@@ -89,8 +92,16 @@ class StartupChecks:
             return
         loss = float(trainer.state.output["loss"])
         expected = math.log(self.num_classes)
+        untrained = f"ln({self.num_classes}) = {expected:.3f}"
         if not math.isfinite(loss):
             self._say(f"the first loss is {loss}: the model or the data produce NaN/Inf")
+        elif self.trained_weights and loss / expected - 1 > self.loss_tolerance:
+            self._say(f"the first loss {loss:.3f} from trained weights is far above {untrained}"
+                      ", what an untrained classifier gives: do the classes match the "
+                      "weights' run?")
+        elif self.trained_weights:
+            self._say(f"first loss {loss:.3f} from trained weights (untrained: {untrained}): "
+                      "ok")
         elif abs(loss / expected - 1) > self.loss_tolerance:
             self._say(f"the first loss {loss:.3f} is far from ln({self.num_classes}) = "
                       f"{expected:.3f}, what an untrained classifier gives: a softmax applied "

@@ -150,8 +150,11 @@ def parse_args(config_cls: type, argv: Sequence[str],
             raise ConfigError(unknown_key(name, fields, hints))
         if not has_value:
             if not args or args[0].startswith("--"):
-                raise ConfigError(f"{flag_name(name)}: missing value")
-            text = args.pop(0)
+                if base_type(hints[name])[0] is not bool:
+                    raise ConfigError(f"{flag_name(name)}: missing value")
+                text = "true"  # a bare switch, as most command lines take it: --compile
+            else:
+                text = args.pop(0)
         if name in values:
             raise ConfigError(f"{flag_name(name)}: given twice")
         values[name] = _convert(name, text, hints[name])
@@ -167,9 +170,19 @@ def unknown_key(name: str, fields: Sequence[str], hints: dict[str, Any]) -> str:
     if switch != name and switch in fields and base_type(hints[switch])[0] is bool:
         hint = f"; to turn {flag_name(switch)} off, say {flag_name(switch)} false"
     else:
-        close = difflib.get_close_matches(name, fields, n=3)
-        hint = f"; did you mean {', '.join(flag_name(c) for c in close)}?" if close else ""
+        close = difflib.get_close_matches(name, fields, n=1)  # the closest: one guess
+        hint = f"; did you mean {flag_name(close[0])}?" if close else ""
     return f"unknown key {flag_name(name)}{hint} (see --help for all keys)"
+
+
+def shown_value(value: Any) -> str:
+    """A value as the command line and config files spell it: ``none``, ``true``, ``false``
+    (not Python's None, True, False)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def help_text(config_cls: type, prog: str, description: str, recipe_name: str,
@@ -180,13 +193,14 @@ def help_text(config_cls: type, prog: str, description: str, recipe_name: str,
     the meaning's first character, so that the three columns stay aligned in a terminal."""
     specs = dataclasses.fields(config_cls)
     flag_width = max(len(flag_name(spec.name)) for spec in specs)
-    default_width = max(len(str(spec.default)) for spec in specs)
+    default_width = max(len(shown_value(spec.default)) for spec in specs)
     indent = " " * (2 + flag_width + 2 + default_width + 2)
     blocks: dict[str | None, list[str]] = {}
     for spec in specs:
         meta = spec.metadata
         allowed = f" [{' | '.join(str(c) for c in meta['choices'])}]" if meta.get("choices") else ""
-        columns = f"  {flag_name(spec.name):<{flag_width}}  {spec.default!s:<{default_width}}  "
+        default = shown_value(spec.default)
+        columns = f"  {flag_name(spec.name):<{flag_width}}  {default:<{default_width}}  "
         blocks.setdefault(group_of(config_cls, spec.name), []).extend(textwrap.wrap(
             meta["help"] + allowed, max(width, len(indent) + 30), initial_indent=columns,
             subsequent_indent=indent, break_on_hyphens=False))
@@ -196,7 +210,8 @@ def help_text(config_cls: type, prog: str, description: str, recipe_name: str,
              f"from a file: {prog} --config FILE.toml (or .json); --print-config prints one",
              "",
              description, "",
-             "keys (default, meaning); every key takes a value, true/false for a switch:"]
+             "keys (default, meaning); every key takes a value, true/false for a switch "
+             "(a bare switch is true):"]
     for heading, keys in [*blocks.items(), (f"{recipe_name} (the recipe's own keys)", own)]:
         if keys:
             lines += ["", f"{heading}:", *keys]

@@ -40,6 +40,7 @@ from recipes.runner.config import (
     parse_args,
     unknown_key,
 )
+from recipes.runner.interpreter import recipes_command
 
 # What a run folder's config.json holds besides its keys: they describe that run.
 RUN_RECORD = ("run_id", "data", "environment", "init_from")
@@ -193,9 +194,26 @@ def _typed(name: str, value: Any, annotation: Any) -> Any:
     elif kind in (int, str) and isinstance(value, kind):
         return value
     none = " or none" if optional else ""
-    shown = repr(value) if isinstance(value, str | int | float | bool) else _kind(value)
+    if isinstance(value, str):  # "500" looks like 500 in a message: say what it is
+        shown = f"the string {value!r}" + (" (no quotes for a number or true/false)"
+                                           if _reads_as(value, kind) else "")
+    elif isinstance(value, int | float | bool):
+        shown = _toml_value(value)
+    else:
+        shown = _kind(value)
     raise ConfigError(f"{flag_name(name)}: expected {_TYPE_NAMES.get(kind, kind)}{none}, "
                       f"got {shown}")
+
+
+def _reads_as(text: str, kind: type) -> bool:
+    """Whether ``text`` would be a value of ``kind`` written without quotes."""
+    if kind is bool:
+        return text in ("true", "false")
+    try:
+        kind(text)
+    except (TypeError, ValueError):
+        return False
+    return kind in (int, float)
 
 
 def _kind(value: Any) -> str:
@@ -221,7 +239,7 @@ def config_toml(config: Any, recipe_name: str) -> str:
     help (and its default, where the value differs) as a comment above it. A key without a
     value (None, or an empty text, at its default) is commented out: read back, it takes
     the same default, and it counts as not given (an empty ``run_name`` given is refused)."""
-    prog = f"python -m recipes {recipe_name}"
+    prog = recipes_command(recipe_name)
     lines = [f"# {prog}: the resolved config (defaults < --config file < command line).",
              f"# Run it with: {prog} --config FILE [--key value ...]",
              '# A commented-out key has no value; "none" is how a file says no value.']

@@ -2,6 +2,8 @@
 what) and the end (how it ended, the best checkpoint, the summary, the next commands).
 The raw numbers stay in ``summary.json``; these lines are for the person watching."""
 
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +13,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from engine import resolve_precision
 from handlers.checkpoint_files import checkpoint_in
-from handlers.progress import best_so_far, format_duration
+from handlers.progress import best_so_far, divergence, format_duration
 from recipes.runner.api import Recipe
+from recipes.runner.interpreter import recipes_command
 from recipes.runner.run_config import RunConfig
 from recipes.runner.standard_handlers import StandardHandlers
 
@@ -25,7 +28,15 @@ def print_header(recipe: Recipe, config: RunConfig, run_dir: Path, data: Any,
                  model: nn.Module) -> None:
     source = recipe.data_source(config) if recipe.data_source is not None else None
     print("\n".join(header(recipe.name, config, run_dir, recipe.sample_counts(data), model,
-                           source)), flush=True)
+                           source, _init_from(run_dir))), flush=True)
+
+
+def _init_from(run_dir: Path) -> dict[str, Any] | None:
+    """The ``--init-from`` record of the run's config.json (kept on resumes), if any."""
+    try:
+        return json.loads((run_dir / "config.json").read_text()).get("init_from")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def print_closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
@@ -34,9 +45,11 @@ def print_closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
 
 
 def header(recipe_name: str, config: RunConfig, run_dir: Path, samples: tuple[int, int],
-           model: nn.Module, source: str | None = None) -> list[str]:
+           model: nn.Module, source: str | None = None,
+           init_from: dict[str, Any] | None = None) -> list[str]:
     """The run's first lines: recipe, run folder, data (from ``source``, else the config's
-    data keys), model, device and precision, and how to watch it."""
+    data keys), model (and the checkpoint whose weights it began with, ``init_from``'s
+    record), device and precision, and how to watch it."""
     if source is None:
         source = ", ".join(f"--{key.replace('_', '-')} {getattr(config, key)}"
                            for key in DATA_KEYS
@@ -50,11 +63,15 @@ def header(recipe_name: str, config: RunConfig, run_dir: Path, samples: tuple[in
     if precision.device.type == "cuda":
         device += f" ({torch.cuda.get_device_name(precision.device)})"
     epochs = f"{config.epochs} epoch{'s' if config.epochs > 1 else ''}"
+    init = [] if not init_from else [
+        f"  init     --init-from: began with the weights of {init_from['path']} (epoch "
+        f"{init_from.get('epoch')}, step {init_from.get('optimizer_step')})"]
     return [
         f"{recipe_name} run in {run_dir}",
         f"  data     {samples[0]:,} training, {samples[1]:,} validation samples"
         + (f" from {source}" if source else ""),
         f"  model    {name}, {parameters:,} parameters",
+        *init,
         f"  device   {device}, {precision.name}; {epochs} of batch {config.batch_size}",
         f"  watch    {TENSORBOARD}",
     ]
@@ -62,14 +79,22 @@ def header(recipe_name: str, config: RunConfig, run_dir: Path, samples: tuple[in
 
 def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
             handlers: StandardHandlers) -> list[str]:
-    """The run's last lines: how it ended, the best checkpoint with its metric and epoch,
-    the summary's path and the commands that come next."""
+    """The run's last lines: how it ended (and a warning when its validation loss diverged),
+    the best checkpoint with its metric and epoch, the summary's path and the commands that
+    come next."""
     status, epochs = summary["status"], handlers.evaluation.epochs
-    lines = [f"{status}: epoch {summary['epochs_completed']}/{epochs}, "
+    evaluations = handlers.progress.evaluations
+    # The epoch in progress, 1-based, as the progress lines count it (a stop mid-epoch 1 is
+    # in epoch 1, not after epoch 0).
+    epoch = max(1, math.ceil(summary["optimizer_steps"] / evaluations.steps_per_epoch))
+    lines = [f"{status}: epoch {epoch}/{epochs}, "
              f"{summary['optimizer_steps']:,} steps in "
              f"{format_duration(summary['wall_time_sec'])}"]
+    diverged = divergence(handlers.history)
+    if diverged is not None:  # a run can complete every epoch and still have diverged
+        lines.append(f"  warning  {diverged}: the run diverged; try a lower --lr (a third "
+                     "or a tenth)")
     best_file = checkpoint_in(run_dir / "checkpoints", "best")  # best.pt, or best.dcp
-    evaluations = handlers.progress.evaluations
     found = best_so_far(evaluations.history, evaluations.best, evaluations.steps_per_epoch)
     has_best = found is not None and best_file is not None
     if has_best:
@@ -78,8 +103,12 @@ def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
     lines.append(f"  summary  {run_dir / 'summary.json'}")
     lines.append(f"  curves   {TENSORBOARD}")
     if has_best:
-        lines.append(f"  evaluate python -m recipes {recipe_name} evaluate {run_dir}")
+        lines.append(f"  evaluate {recipes_command(recipe_name)} evaluate {run_dir}")
+    if status.startswith("stopped by --max-"):  # a budget: the same run goes on with more
+        key = status.removeprefix("stopped by ").split()[0]
+        lines.append(f"  continue {recipes_command(recipe_name)} --run-dir {run_dir} {key} "
+                     "<more, or none> (continues this run)")
     if status == "completed" and not summary["stopped_early"]:  # a stopped run: run.py's line
-        lines.append(f"  longer   python -m recipes {recipe_name} --run-dir {run_dir} "
+        lines.append(f"  longer   {recipes_command(recipe_name)} --run-dir {run_dir} "
                      f"--epochs {2 * epochs} (continues this run)")
     return lines

@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from recipes.runner.folder import resolve_run_dir
+from recipes.runner.interpreter import interpreter
 from recipes.runner.run_config import RunConfig
 
 # Keys that ask something of this start, or place its output, without changing what is
-# trained: two commands that differ only in these are the same run.
-RUN_REQUESTS = ("resume", "progress", "allow_data_change", "run_dir")
+# trained: two commands that differ only in these are the same run (a run stopped by
+# --max-steps or --max-time goes on with the same command and a larger budget).
+RUN_REQUESTS = ("resume", "progress", "allow_data_change", "run_dir", "max_steps", "max_time")
 TIMESTAMP = re.compile(r"(\d{8}-\d{6})(?:-(\d+))?")  # a default run folder; -N on a clash
 
 
@@ -51,16 +53,17 @@ def choose_run(recipe: str, best: str, config: RunConfig, given: set[str]) -> st
 
 
 def continue_command() -> str:
-    """The command line of this process without its ``--resume``: run again, it continues
-    the run (the default ``--resume auto`` picks the newest good checkpoint)."""
+    """The command line of this process without its ``--resume``, on the interpreter that
+    runs it (``interpreter``): run again, it continues the run (the default ``--resume auto``
+    picks the newest good checkpoint)."""
     kept: list[str] = []
-    args = iter(sys.orig_argv)
+    args = iter(sys.orig_argv[1:])
     for arg in args:
         if arg == "--resume":
             next(args, None)  # and its value
         elif not arg.startswith("--resume="):
             kept.append(arg)
-    return shlex.join(kept)
+    return " ".join([interpreter(), shlex.join(kept)])
 
 
 def _run_keys(config: RunConfig) -> dict[str, Any]:

@@ -356,7 +356,8 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     if info is not None and rank == 0:
         for name, reason in info.rejected:
             print(f"skipped checkpoint {name}: {reason}", file=sys.stderr)
-        print(f"resumed from {info.path} (epoch {trainer.state.epoch}, "
+        epoch = math.ceil(trainer.state.iteration / len(parts.train_batches))  # in progress
+        print(f"resumed from {info.path} (epoch {epoch}, "
               f"iteration {trainer.state.iteration}, step {trainer.state.optimizer_step})")
     epoch_length = len(parts.train_batches)
     early_stopping = handlers.early_stopping
@@ -392,6 +393,8 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     stop = handlers.stop
     if stop.exit_code is not None and exit_code == 0:  # a failed save outranks the signal
         status, exit_code = f"interrupted by {stop.received.name}", stop.exit_code
+    elif handlers.budget is not None and handlers.budget.reason and exit_code == 0:
+        status = f"stopped by {handlers.budget.reason}"  # by request: exit 0
     if rank == 0:
         environment = environment_record(process_device(config.device), world)
         exit_code = _write_summary(recipe, trainer, handlers, started, status,

@@ -39,6 +39,8 @@ PROGRESS = ("auto", "bar", "plain", "off")
 AVERAGING = ("none", "ema", "swa")
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 PROFILE_WINDOW = re.compile(r"([0-9]+):([0-9]+)")
+MAX_TIME = re.compile(r"([0-9]+(?:\.[0-9]+)?)|(?=[0-9])(?:([0-9]+)d)?(?:([0-9]+)h)?"
+                      r"(?:([0-9]+)m)?(?:([0-9]+)s)?")
 
 run_key = partial(field, group="run")
 schedule_key = partial(field, group="schedule")
@@ -80,6 +82,28 @@ def _check_profile(value: str) -> str | None:
             f"got {value!r}")
 
 
+def max_time_seconds(text: str) -> float | None:
+    """``--max-time`` in seconds: ``90``, ``90s``, ``45m``, ``2h``, ``1h30m``, ``1d``; None for ""
+    (off) or a malformed text (``handlers.run_budget.parse_duration``, spelled out here
+    again: this module imports no torch)."""
+    match = MAX_TIME.fullmatch(text)
+    if not text or match is None:
+        return None
+    if match[1] is not None:
+        seconds = float(match[1])
+    else:
+        seconds = sum(int(part) * unit for part, unit in zip(match.groups()[1:],
+                                                             (86400, 3600, 60, 1), strict=True)
+                      if part)
+    return seconds if seconds > 0 else None
+
+
+def _check_max_time(value: str) -> str | None:
+    if value == "" or max_time_seconds(value) is not None:
+        return None
+    return f"must be a duration such as 90s, 45m, 2h, 1h30m or 1d (or seconds), got {value!r}"
+
+
 def _check_resume(value: str) -> str | None:
     if value in ("auto", "never") or Path(value).is_file():
         return None
@@ -112,6 +136,12 @@ class RunConfig:
     activation_checkpointing: bool = run_key(
         False, "keep only each transformer block's input for the backward and recompute the "
         "rest there: less activation memory for about one more forward (charlm)")
+    max_steps: int | None = run_key(None, "stop cleanly (saved, resumable, exit 0) after this "
+                                    "many optimizer steps of the whole run; the LR schedule "
+                                    "still follows --epochs (none: no limit)", min=1)
+    max_time: str = run_key("", "stop cleanly (saved, resumable, exit 0) once the run has run "
+                            "this long, all its starts together: 90s, 45m, 2h, 1h30m, 1d "
+                            "(empty: no limit)", check=_check_max_time)
     eval_every: int = run_key(1, "evaluate every N epochs (and after the last)", min=1)
     eval_every_steps: int | None = run_key(None, "also evaluate every N optimizer steps "
                                            "inside an epoch, for long epochs (none: only at "

@@ -34,6 +34,7 @@ from handlers.graceful_stop import GracefulStop
 from handlers.history import RunHistory
 from handlers.jsonl_sink import JsonLinesSink
 from handlers.progress import Evaluations
+from handlers.run_budget import RunBudget
 from handlers.spike_guard import SpikeAction, SpikeGuard
 from handlers.startup_checks import StartupChecks
 from handlers.tensorboard import TensorBoardSink
@@ -42,7 +43,7 @@ from handlers.weight_averaging import WeightAveraging
 from recipes.runner.api import RunPlan
 from recipes.runner.checkpoint_strategy import checkpoint_format, save_wrapper
 from recipes.runner.config import ConfigError, group_values
-from recipes.runner.run_config import RunConfig
+from recipes.runner.run_config import RunConfig, max_time_seconds
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ class StandardHandlers:
     logger: RunLogger | None = None  # rank 0's
     progress: Progress | None = None  # rank 0's
     cost: CostMeter | None = None
+    budget: RunBudget | None = None  # --max-steps, --max-time
 
     def end_again(self, trainer: Trainer) -> None:
         """A finished run started again trains nothing, but its end is written again: the
@@ -240,8 +242,14 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         wrap_save=save_wrapper(config.strategy),
         checkpoint_format=checkpoint_format(config.strategy))
     stop = GracefulStop(checkpointer.last_handler)  # every rank gets the signal, all save
+    max_seconds = max_time_seconds(config.max_time)
+    budget = None if config.max_steps is None and max_seconds is None else RunBudget(
+        checkpointer.last_handler, max_steps=config.max_steps, max_seconds=max_seconds,
+        elapsed=history.wall_time, time_label=config.max_time)
     in_order: list[Handler | None] = [
-        StartupChecks(site.num_classes) if config.checks == "on" else None,
+        # A fresh run from --init-from starts on trained weights (a resume is not checked).
+        StartupChecks(site.num_classes, trained_weights=bool(config.init_from))
+        if config.checks == "on" else None,
         telemetry,  # the step's numbers, before anything that reports them
         history,
         site.cost,  # at EPOCH_COMPLETED, before the evaluation line and the logger show it
@@ -256,13 +264,14 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         checkpointer,
         progress,
         stop,  # last at EPOCH_COMPLETED: after the epoch's evaluation and save
+        budget,  # the same, and a signal's stop first
     ]
     for handler in in_order:
         if handler is not None:
             handler.attach(trainer, evaluator)
     return StandardHandlers(telemetry, history, scheduler, early_stopping, checkpointer, stop,
                             make_scheduler, evaluation, spike_guard, logger, progress,
-                            site.cost)
+                            site.cost, budget)
 
 
 def _log_spike_action(logger: RunLogger, action: SpikeAction) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 
 import handlers.checkpoint_files as checkpoint_files
 from engine import create_trainer
-from handlers.atomic_write import write_atomically
+from handlers.atomic_write import current_umask, write_atomically
 from handlers.checkpoint import Checkpointer, read_checkpoint
 from handlers.goal import Goal
 
@@ -237,8 +237,17 @@ def test_a_write_without_crash_points_replaces_the_file_whole_with_its_mode(tmp_
     assert os.listdir(tmp_path) == ["config.json"]
 
 
-def test_a_write_without_a_mode_is_readable_by_its_owner_only(tmp_path):
-    """The default mode: run files (exports, caches) are private unless a caller says."""
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_a_write_without_a_mode_honours_the_umask_as_open_does(tmp_path, umask, mode):
+    """The default mode: run files (exports, JSON, caches) as a plain ``open`` creates them,
+    so an exported model can be read by another account where the umask allows it."""
     target = tmp_path / "model.onnx"
-    write_atomically(target, lambda file: file.write(b"new"))
-    assert target.stat().st_mode & 0o777 == 0o600
+    before = os.umask(umask)
+    try:
+        assert current_umask() == umask
+        write_atomically(target, lambda file: file.write(b"new"))
+        with open(tmp_path / "plain", "w"):
+            pass
+    finally:
+        os.umask(before)
+    assert target.stat().st_mode & 0o777 == mode == (tmp_path / "plain").stat().st_mode & 0o777

@@ -1,5 +1,8 @@
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ from torch import nn
 from engine import create_trainer
 from handlers.graceful_stop import GracefulStop
 
+REPO = Path(__file__).resolve().parents[2]
 BATCHES_PER_EPOCH = 8  # with accum_steps=3 the windows are iterations 1-3, 4-6 and 7-8
 
 
@@ -142,3 +146,37 @@ def test_a_second_signal_hands_it_to_the_previous_handler_at_once(make_mlp, make
 def test_save_must_be_callable():
     with pytest.raises(ValueError, match="save must be callable"):
         GracefulStop("last.pt")
+
+
+SECOND_CTRL_C = """
+import os, signal, sys
+import torch
+from ignite.engine import Events
+from torch import nn
+from engine import create_trainer
+from handlers.graceful_stop import GracefulStop
+
+model = nn.Linear(4, 2)
+trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         nn.CrossEntropyLoss())
+GracefulStop(lambda engine: None).attach(trainer)
+
+@trainer.on(Events.ITERATION_STARTED(once=2))
+def press_ctrl_c_twice():
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)
+    print("not reached")
+
+trainer.run([(torch.randn(3, 4), torch.tensor([0, 1, 0]))] * 4, max_epochs=1)
+"""
+
+
+def test_a_second_ctrl_c_under_pythons_own_handler_ends_in_one_line(tmp_path):
+    """Not an 87-line KeyboardInterrupt traceback: one line, and the process ends by SIGINT
+    (a shell's 130)."""
+    done = subprocess.run([sys.executable, "-c", SECOND_CTRL_C], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path,
+                          env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert done.returncode == -signal.SIGINT
+    assert done.stderr == "SIGINT again: stopping at once\n"
+    assert "send it again to stop at once" in done.stdout and "not reached" not in done.stdout

@@ -4,7 +4,11 @@ trace as ``step<n>``: the window holds exactly its steps, the trace is Chrome's 
 import gzip
 import io
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,8 @@ from torch.profiler import record_function
 
 from engine import TrainEvents
 from handlers.profiler import StepProfiler
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def scripted_trainer(resume_at: int = 0) -> Engine:
@@ -129,3 +135,19 @@ def test_the_printed_table_lists_operators_not_the_step_markers(tmp_path):
     table = stream.getvalue().splitlines()[1:]
     assert any(line.endswith("aten::mm") for line in table)
     assert not any("ProfilerStep" in line for line in table)
+
+
+def test_a_cpu_window_leaves_no_kineto_lines_on_stderr(tmp_path):
+    """A CUDA build of torch on a machine without a GPU (this one: the suite's) had kineto
+    print ``ERROR ... gpuGetDeviceCount failed with code 35`` and ``profiler_start`` lines.
+    In a fresh process: kineto reads its log level once, when the first profiler starts."""
+    script = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+              "from tests.handlers.test_profiler import profiled\n"
+              "from pathlib import Path\n"
+              "profiled(Path(sys.argv[2]), 1, 3, 4)\n")
+    environment = {key: value for key, value in os.environ.items()
+                   if key != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", script, str(REPO), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=environment)
+    assert done.returncode == 0, done.stderr
+    assert list((tmp_path / "profile").glob("trace-steps-*.json.gz")) and done.stderr == ""

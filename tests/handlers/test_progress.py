@@ -12,7 +12,7 @@ from handlers.cost import CostMeter
 from handlers.goal import Goal
 from handlers.grad_telemetry import GradientTelemetry
 from handlers.history import RunHistory
-from handlers.progress import Evaluations, Progress, format_duration
+from handlers.progress import Evaluations, Progress, divergence, format_duration
 from handlers.time_left import EvaluationSchedule
 
 PLAIN_LINE = re.compile(
@@ -185,9 +185,41 @@ def test_a_diverging_validation_loss_gets_one_warning(capsys):
     scripted_run()
     warnings = [line for line in capsys.readouterr().out.splitlines()
                 if line.startswith("warning:")]
-    assert warnings == ["warning: the validation loss rose to 7 from 2 at the first "
-                        "evaluation: the training is diverging; try a lower --lr (a third "
+    # The first training loss reported (1.132, MSE on random data) is the smaller reference.
+    assert warnings == ["warning: the validation loss rose to 7, over 3x the first training "
+                        "loss 1.132: the training is diverging; try a lower --lr (a third "
                         "or a tenth)"]
+
+
+def history_of(train_losses: list[float], val_losses: list[float]) -> RunHistory:
+    history = RunHistory(batch_size=4, telemetry=GradientTelemetry(log_every=1))
+    history.train["loss"] = train_losses
+    history.val = {"step": list(range(len(val_losses))), "loss": val_losses}
+    return history
+
+
+def test_a_first_evaluation_already_diverged_is_measured_against_the_training_loss():
+    """The images recipe at too high an LR: ln(3) at the start, 613.6 at the first
+    evaluation, 1532 at the second (2.5x the first, under the ratio)."""
+    assert divergence(history_of([1.1], [613.6])) == (
+        "the validation loss rose to 613.6, over 3x the first training loss 1.1")
+    assert divergence(history_of([1.1], [613.6, 1532.0])).startswith(
+        "the validation loss rose to 1532, over 3x the first training loss 1.1")
+
+
+@pytest.mark.parametrize("train, val, expected", [
+    ([1.9], [2.0, 1.5, 6.0], "the validation loss rose to 6, over 3x the first training "
+                             "loss 1.9"),
+    ([9.0], [2.0, 7.0], "the validation loss rose to 7, over 3x the first evaluation's 2"),
+    ([2.3], [2.0, float("nan")], "the validation loss rose to nan, over 3x the first "
+                                 "evaluation's 2"),
+    ([], [float("inf")], "the validation loss is inf"),
+    ([2.3], [2.0, 1.5, 6.0], None),  # under 3x both
+    ([2.3], [6.8], None),
+    ([], [], None),
+])
+def test_divergence_takes_the_smaller_sane_reference(train, val, expected):
+    assert divergence(history_of(train, val)) == expected
 
 
 def test_after_a_resume_the_time_left_is_measured_anew_and_the_best_kept(capsys):

@@ -14,9 +14,9 @@ def _trainer(model: nn.Module):
                           nn.functional.cross_entropy)
 
 
-def _run(model, batches, num_classes=4, epochs=1, trainer=None):
+def _run(model, batches, num_classes=4, epochs=1, trainer=None, trained_weights=False):
     trainer = trainer or _trainer(model)
-    checks = StartupChecks(num_classes, stream=io.StringIO())
+    checks = StartupChecks(num_classes, stream=io.StringIO(), trained_weights=trained_weights)
     checks.attach(trainer)
     trainer.run(batches, max_epochs=epochs)
     return checks, trainer
@@ -35,6 +35,21 @@ def test_a_first_loss_far_from_ln_classes_is_named(make_mlp, make_batches):
         model[-1].weight.mul_(100)  # a large initialisation: confident, mostly wrong
     checks, _ = _run(model, make_batches(2))
     assert len(checks.findings) == 1 and "is far from ln(4)" in checks.findings[0]
+
+
+def test_a_fine_tunes_first_loss_is_said_to_come_from_trained_weights(make_mlp, make_batches):
+    """--init-from: a loss below ln(classes) is what trained weights give, not "near" it;
+    far above it the classes may not match the weights' run."""
+    checks, _ = _run(make_mlp(), make_batches(2), trained_weights=True)
+    [line] = checks.findings
+    assert line.startswith("first loss ") and line.endswith(
+        f" from trained weights (untrained: ln(4) = {math.log(4):.3f}): ok")
+    model = make_mlp()
+    with torch.no_grad():
+        model[-1].weight.mul_(100)
+    checks, _ = _run(model, make_batches(2), trained_weights=True)
+    [line] = checks.findings
+    assert "from trained weights is far above ln(4)" in line and "do the classes match" in line
 
 
 def test_nan_in_the_first_batch_is_named(make_mlp, make_batches):

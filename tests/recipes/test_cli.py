@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from recipes.cifar.model import build_model
 from recipes.cifar.recipe import Config
 from recipes.common.paths import SHARED_DATA
 from recipes.runner import run
+from recipes.runner.config import shown_value
 from recipes.runner.resume_request import REQUEST_KEYS
 
 pytestmark = pytest.mark.filterwarnings(  # torchvision 0.29 deprecates its JPEG codecs
@@ -35,6 +37,7 @@ pytestmark = pytest.mark.filterwarnings(  # torchvision 0.29 deprecates its JPEG
 REPO = Path(__file__).resolve().parents[2]
 CLI_TIMEOUT_SEC = 600  # a hung run fails its test instead of hanging the suite
 # The tiny run whose outputs several tests inspect: 256 // 64 = 4 optimizer steps per epoch.
+PYTHON = shlex.quote(sys.executable)  # what a subprocess's next steps name
 TINY = ["--dataset", "synthetic", "--train-subset", "256", "--val-subset", "128",
         "--batch-size=64", "--epochs=2", "--warmup-epochs", "0.5", "--progress", "off"]
 TINY_STEPS = 2 * (256 // 64)
@@ -133,7 +136,8 @@ def test_recipe_help_lists_every_key_with_its_default_and_meaning(tmp_path):
     for spec in dataclasses.fields(Config):
         entry = help_entry(lines, "--" + spec.name.replace("_", "-"))
         assert entry is not None, spec.name
-        assert str(spec.default) in entry and " ".join(spec.metadata["help"].split()) in entry
+        assert entry.split()[1] == shown_value(spec.default) or spec.default == "", entry
+        assert " ".join(spec.metadata["help"].split()) in entry
     assert list(tmp_path.iterdir()) == []
 
 
@@ -390,9 +394,21 @@ def test_tiny_run_console_opens_with_the_run_and_ends_with_the_best_and_what_nex
         f"{summary['best_val_accuracy']:.4g} (epoch {best['epoch']})",
         f"  summary  {folder}/summary.json",
         "  curves   make tensorboard (then open http://127.0.0.1:6006)",
-        f"  evaluate python -m recipes cifar evaluate {folder}",
-        f"  longer   python -m recipes cifar --run-dir {folder} --epochs 4 (continues this run)"]
+        f"  evaluate {PYTHON} -m recipes cifar evaluate {folder}",
+        f"  longer   {PYTHON} -m recipes cifar --run-dir {folder} --epochs 4 (continues this run)"]
     assert "{" not in result.stdout  # the raw numbers stay in summary.json
+
+
+def test_tiny_run_writes_its_json_files_as_open_would_under_the_umask(tiny_run):
+    """config.json and summary.json as metrics.jsonl: readable by others under umask 022
+    (the subprocess inherits this process's umask); checkpoints keep their 0o640."""
+    _, run_dir = tiny_run
+    mask = os.umask(0o022)
+    os.umask(mask)
+    modes = {name: (run_dir / name).stat().st_mode & 0o777
+             for name in ("config.json", "summary.json", "metrics.jsonl")}
+    assert modes == dict.fromkeys(modes, 0o666 & ~mask)
+    assert (run_dir / "checkpoints" / "last.pt").stat().st_mode & 0o777 == 0o640
 
 
 def test_tiny_run_draws_the_curves(tiny_run):

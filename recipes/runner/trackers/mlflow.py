@@ -6,11 +6,12 @@ The MLflow run holds the resolved config as params, the tags ``recipe``, ``run_i
 artifacts. The experiment is the recipe's name, the MLflow run's name the run folder's.
 
 Where: ``--tracker-uri`` (any MLflow tracking URI: a folder, ``file:``, ``sqlite:``,
-``http(s):``), else the store an earlier start of this run folder used, else ``mlruns/`` in
-the working directory (beside ``runs/``): MLflow's file store, no server. MLflow keeps the
-file store in maintenance mode and since 3.13 refuses it unless ``MLFLOW_ALLOW_FILE_STORE``
-is true; this module sets it for its process when the URI is a folder (a value the user set
-wins). ``mlflow ui`` needs the full ``mlflow`` package and the same variable.
+``http(s):``), else ``MLFLOW_TRACKING_URI``, else the store an earlier start of this run
+folder used, else ``mlruns/`` in the working directory (beside ``runs/``): MLflow's file
+store, no server. MLflow keeps the file store in maintenance mode and since 3.13 refuses it
+unless ``MLFLOW_ALLOW_FILE_STORE`` is true; this module sets it for its process when the URI
+is a folder (a value the user set wins). ``mlflow ui`` needs the full ``mlflow`` package and
+the same variable.
 
 A resumed run continues the same MLflow run: ``mlflow.json`` in the run folder keeps its
 tracking URI and id. MLflow's params cannot change, so a resume logs only keys the run does
@@ -39,6 +40,7 @@ from recipes.runner.folder import write_json_atomic
 from recipes.runner.trackers import TrackedRun
 
 DEFAULT_STORE = "mlruns"  # in the working directory, beside runs/
+URI_VARIABLE = "MLFLOW_TRACKING_URI"  # MLflow's own: after --tracker-uri, before the rest
 STATE_FILE = "mlflow.json"  # in the run folder: the MLflow run that a resume continues
 # A tracking server that does not answer must cost seconds, not MLflow's default of 7
 # retries with backoff of up to 120 s each; the user's own settings win.
@@ -56,19 +58,23 @@ def check(config: Any, run_dir: Path) -> None:
                           "'.[mlflow]', or leave --tracker at none") from None
     uri = tracking_uri(config.tracker_uri, run_dir)
     path = _local_path(uri)
+    named = (f"{URI_VARIABLE}={os.environ[URI_VARIABLE]}"
+             if not config.tracker_uri and os.environ.get(URI_VARIABLE) else f"--tracker-uri {uri}")
     if uri.startswith("sqlite:") and importlib.util.find_spec("sqlalchemy") is None:
-        raise ConfigError(f"--tracker-uri {uri}: MLflow's database store needs SQLAlchemy "
+        raise ConfigError(f"{named}: MLflow's database store needs SQLAlchemy "
                           "(pip install mlflow); or give a folder for its file store")
     problem = None if path is None else _unwritable(path.parent if uri.startswith("sqlite:")
                                                      else path)
     if problem:
-        raise ConfigError(f"--tracker-uri {uri}: {problem}")
+        raise ConfigError(f"{named}: {problem}")
 
 
 def tracking_uri(given: str, run_dir: Path) -> str:
-    """``given``, else the URI in the run folder's ``mlflow.json``, else ``mlruns/`` here; a
-    folder becomes an absolute ``file:`` URI (a resume from elsewhere finds the same store)."""
-    uri = given or _saved(run_dir).get("tracking_uri") or DEFAULT_STORE
+    """``given``, else ``MLFLOW_TRACKING_URI`` (MLflow's own way of naming the store), else
+    the URI in the run folder's ``mlflow.json``, else ``mlruns/`` here; a folder becomes an
+    absolute ``file:`` URI (a resume from elsewhere finds the same store)."""
+    uri = (given or os.environ.get(URI_VARIABLE) or _saved(run_dir).get("tracking_uri")
+           or DEFAULT_STORE)
     if urlparse(uri).scheme in ("", "file"):
         return _local_path(uri).as_uri()
     return uri

@@ -94,6 +94,23 @@ def test_an_unknown_key_suggests_the_closest_ones():
         "unknown key --batch-sise; did you mean --batch-size? (see --help for all keys)")
 
 
+def test_an_unknown_key_suggests_only_the_closest():
+    """``--epoch`` had suggested ``--epochs, --nproc``."""
+    with pytest.raises(ConfigError) as error:
+        parse_args(RunConfig, ["--epoch", "3"])
+    assert str(error.value) == ("unknown key --epoch; did you mean --epochs? (see --help for "
+                                "all keys)")
+
+
+@pytest.mark.parametrize("argv", [["--shuffle"], ["--shuffle", "--steps", "2"],
+                                  ["--steps", "2", "--shuffle"]])
+def test_a_bare_switch_is_true(argv):
+    config, given = parse_args(Sample, ["--shuffle", "false"])
+    assert config.shuffle is False
+    config, given = parse_args(Sample, argv)
+    assert config.shuffle is True and "shuffle" in given
+
+
 def test_an_unknown_key_with_nothing_close_has_no_suggestion():
     with pytest.raises(ConfigError) as error:
         parse_args(Sample, ["--zzzzzz", "1"])
@@ -160,8 +177,12 @@ def test_help_lists_every_key_with_its_default_help_and_choices():
     for spec in dataclasses.fields(Sample):
         line = next(line for line in text.splitlines()
                     if line.split()[:1] == ["--" + spec.name.replace("_", "-")])
-        assert str(spec.default) in line and spec.metadata["help"] in line
+        assert spec.metadata["help"] in line
     assert "[fast | slow]" in text
+    lines = {line.split()[0]: line.split()[1] for line in text.splitlines()
+             if line.startswith("  --")}
+    # As the command line and config files spell them, not Python's None and True.
+    assert lines["--clip"] == "none" and lines["--shuffle"] == "true" and lines["--steps"] == "10"
 
 
 @dataclass

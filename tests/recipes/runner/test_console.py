@@ -1,11 +1,16 @@
-"""The run's header lines (``recipes.runner.console.header``)."""
+"""The run's header and closing lines (``recipes.runner.console``)."""
+
+from types import SimpleNamespace
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from handlers.goal import Goal
+from handlers.grad_telemetry import GradientTelemetry
+from handlers.history import RunHistory
 from recipes.charlm.recipe import Config
-from recipes.runner.console import header
+from recipes.runner.console import closing, header
 
 
 class TinyNet(nn.Module):
@@ -31,3 +36,22 @@ def test_the_model_line_names_the_recipes_class_under_fsdp_too(tmp_path):
     finally:
         dist.destroy_process_group()
     assert "  model    TinyNet, 30 parameters" in lines
+
+
+def test_a_run_that_completed_with_a_diverged_loss_says_so_at_the_end(tmp_path):
+    """The images recipe at too high an LR completed its epochs; the closing lines say that
+    it diverged (ln(3) at the start, 613.6 and 1532 at the evaluations)."""
+    history = RunHistory(batch_size=32, telemetry=GradientTelemetry(log_every=1))
+    history.train["loss"] = [1.1]
+    history.val = {"step": [3, 6], "loss": [613.6, 1532.0], "accuracy": [0.33, 0.33]}
+    evaluations = SimpleNamespace(history=history, best=Goal("accuracy", "max"),
+                                  steps_per_epoch=3)
+    handlers = SimpleNamespace(history=history, evaluation=SimpleNamespace(epochs=2),
+                               progress=SimpleNamespace(evaluations=evaluations))
+    summary = {"status": "completed", "epochs_completed": 2, "optimizer_steps": 6,
+               "wall_time_sec": 5.0, "stopped_early": False}
+    lines = closing("images", summary, tmp_path, handlers)
+    assert lines[1] == ("  warning  the validation loss rose to 1532, over 3x the first training "
+                        "loss 1.1: the run diverged; try a lower --lr (a third or a tenth)")
+    history.val["loss"] = [1.0, 0.9]
+    assert not any("warning" in line for line in closing("images", summary, tmp_path, handlers))

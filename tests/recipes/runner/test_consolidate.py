@@ -15,6 +15,7 @@ import torch
 
 from handlers.checkpoint import read_checkpoint
 from recipes.__main__ import main
+from recipes.runner.interpreter import interpreter
 from recipes.runner.registry import load_recipe
 from recipes.runner.trained import load_trained
 from tests.helpers import (
@@ -114,7 +115,7 @@ def test_a_new_run_takes_its_weights_from_a_sharded_run(sharded_run, tmp_path):
 def test_the_closing_lines_name_the_sharded_best_checkpoint(sharded_run):
     printed = (sharded_run.parent / "train.out").read_text()
     assert f"  best     {sharded_run / 'checkpoints' / 'best.dcp'}: loss " in printed
-    assert f"  evaluate python -m recipes charlm evaluate {sharded_run}" in printed
+    assert f"  evaluate {interpreter()} -m recipes charlm evaluate {sharded_run}" in printed
 
 
 # --- a .dcp folder whose .metadata would run code -------------------------------------------

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +49,8 @@ def test_a_stopped_run_prints_the_command_that_continues_it_in_the_same_folder(t
     command = [sys.executable, str(RUN_RECIPE), *CHARLM_IN_FOLDER]
     stopped = run_command(command, tmp_path, RELIABILITY_SIGNAL_AT="SIGTERM:iteration:5")
     assert stopped.returncode == 143, stopped.stderr
+    # One count of epochs: the one in progress, 1-based, as the progress lines say.
+    assert "\ninterrupted by SIGTERM: epoch 1/2, 5 steps in " in stopped.stdout
     [folder] = run_folders(tmp_path)
     assert STAMPED.fullmatch(folder)
     last_line = stopped.stdout.strip().splitlines()[-1]
@@ -57,7 +60,7 @@ def test_a_stopped_run_prints_the_command_that_continues_it_in_the_same_folder(t
     continued = run_command(printed, tmp_path)
     assert continued.returncode == 0, continued.stderr
     assert f"continuing runs/charlm/{folder} " in continued.stdout
-    assert "resumed from" in continued.stdout
+    assert "(epoch 1, iteration 5, step 5)\n" in continued.stdout
     assert run_folders(tmp_path) == [folder]
     summary = json.loads((tmp_path / "runs" / "charlm" / folder / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["epochs_completed"] == 2
@@ -163,11 +166,14 @@ def test_a_run_in_use_by_another_process_is_refused_by_its_lock(tmp_path, monkey
     assert out.startswith("continuing runs/charlm/20260101-000000 ")
 
 
-def test_the_continue_command_leaves_out_the_resume_request(monkeypatch):
+def test_the_continue_command_leaves_out_the_resume_request(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
     monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "recipes", "cifar", "--resume",
                                            "never", "--epochs", "3", "--resume=old.pt",
                                            "--run-name", "a b"])
-    assert continue_command() == "python -m recipes cifar --epochs 3 --run-name 'a b'"
+    # the interpreter that ran it, not the `python` of an activated venv
+    assert continue_command() == ".venv/bin/python -m recipes cifar --epochs 3 --run-name 'a b'"
 
 
 # --- make train --------------------------------------------------------------------------
@@ -193,6 +199,35 @@ def test_make_train_takes_a_stop_by_signal_for_no_error(exit_code, an_error, tmp
     assert done.returncode == (2 if an_error else 0)  # make's own code for a failed recipe
     error = re.fullmatch(rf"make: \*\*\* \[Makefile:\d+: train\] Error {exit_code}\n", done.stderr)
     assert bool(error) if an_error else done.stderr == "", done.stderr
+
+
+def test_ctrl_c_under_make_train_saves_the_run_and_make_reports_the_interrupt(tmp_path):
+    """Ctrl-C goes to the terminal's whole process group: make as well as the run. The run
+    saves and prints its continue line; make, interrupted itself, ends by SIGINT (a shell's
+    exit status 130), as the README says. A tiny run long enough to be mid-training."""
+    write_text(tmp_path)
+    args = shlex.join([*CHARLM_IN_FOLDER[1:-4], "--epochs", "200", "--checkpoint-every", "1",
+                       "--run-name", "ctrl-c"])
+    make = subprocess.Popen(["make", "--no-print-directory", "-f", str(REPO / "Makefile"),
+                             "train", f"PY={sys.executable}", "STAMP=", "RECIPE=charlm",
+                             f"ARGS={args}"], cwd=tmp_path, start_new_session=True,
+                            env=_outside_make() | {"PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in make.stdout:  # the first training step has run
+            if line.startswith("check: first loss"):
+                break
+        os.killpg(make.pid, signal.SIGINT)
+        out, err = make.communicate(timeout=TIMEOUT_SEC)
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGKILL)
+    assert make.returncode == -signal.SIGINT, err
+    assert "stopped; to continue this run: " in out, err
+    summary = json.loads((tmp_path / "runs" / "charlm" / "ctrl-c" / "summary.json").read_text())
+    assert summary["status"] == "interrupted by SIGINT"
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "make itself is interrupted too and exits 130" in readme
 
 
 # --- torchrun: rank 0 chooses, every rank follows ---------------------------------------
@@ -229,7 +264,7 @@ def test_the_same_torchrun_command_again_continues_its_run_then_reports_it_compl
     continued = run_command(command, tmp_path, **env)
     assert continued.returncode == 0, continued.stderr
     assert continued.stdout.count(f"continuing runs/charlm/{folder} ") == 1
-    assert "resumed from" in continued.stdout
+    assert "(epoch 1, iteration 5, step 5)\n" in continued.stdout
     assert run_folders(tmp_path) == [folder]
     run_dir = tmp_path / "runs" / "charlm" / folder
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -80,6 +80,10 @@ def test_pt2_gives_the_evaluators_outputs(run, request, capsys):
     assert facts["mode"] == "eval"
     with pytest.raises(NotImplementedError):
         program.eval()
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert {path.name: path.stat().st_mode & 0o777 for path in (run_dir / "export").iterdir()
+            } == {"best.pt2": 0o666 & ~mask, "best.pt2.json": 0o666 & ~mask}  # as open makes
 
 
 def test_pt2_of_charlm_takes_any_batch_and_length_up_to_the_block_size(request, tmp_path):

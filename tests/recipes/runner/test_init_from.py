@@ -33,8 +33,15 @@ def test_a_charlm_run_starts_from_another_runs_weights_and_records_them(tmp_path
     # An LR so small that training leaves the weights where they started: the run's last
     # weights are its first ones, which must be the source's (a fresh init is far off).
     quiet = [*charlm, "--lr", "1e-12"]
+    capsys.readouterr()
     assert main([*quiet, "--epochs", "1", "--run-dir", str(tmp_path / "new"), "--init-from",
                  str(tmp_path / "source")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # The header names the weights; the start-up check does not call their loss "near ln".
+    assert (f"  init     --init-from: began with the weights of {source.resolve()} (epoch "
+            f"{source_meta['epoch']}, step {source_meta['optimizer_step']})") in lines
+    [check] = [line for line in lines if line.startswith("check: first loss")]
+    assert check.endswith(" from trained weights (untrained: ln(256) = 5.545): ok"), check
     assert main([*quiet, "--epochs", "1", "--run-dir", str(tmp_path / "fresh")]) == 0
     new = torch.load(tmp_path / "new" / "checkpoints" / "last.pt", weights_only=True)
     fresh = model_weights(tmp_path / "fresh" / "checkpoints" / "last.pt")

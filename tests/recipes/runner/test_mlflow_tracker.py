@@ -14,6 +14,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from recipes.__main__ import main
+from recipes.runner.trackers.mlflow import STATE_FILE, URI_VARIABLE, tracking_uri
 from tests.helpers import (
     CHARLM,
     REPO,
@@ -256,3 +257,23 @@ def test_under_two_processes_rank_zero_alone_logs_to_mlflow_and_profiles(tmp_pat
     assert sum(line.startswith("  mlflow   run ") for line in result.stdout.splitlines()) == 1
     assert list((tmp_path / "runs" / "cifar" / "r" / "profile").iterdir()) == [
         tmp_path / "runs" / "cifar" / "r" / "profile" / "trace-steps-1-2.json.gz"]
+
+
+def test_the_store_is_the_flag_then_mlflows_variable_then_the_runs_own_then_mlruns(
+        tmp_path, monkeypatch):
+    """``MLFLOW_TRACKING_URI`` is MLflow's own way of naming the store: it ranks after
+    --tracker-uri and before the store a run folder saved and the default. No MLflow
+    needed: the URI is settled before it is imported."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(URI_VARIABLE, raising=False)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert tracking_uri("", run_dir) == (tmp_path / "mlruns").as_uri()
+    (run_dir / STATE_FILE).write_text(json.dumps({"tracking_uri": "http://saved:5000",
+                                                  "run_id": "x"}))
+    assert tracking_uri("", run_dir) == "http://saved:5000"
+    monkeypatch.setenv(URI_VARIABLE, (tmp_path / "somewhere" / "mlruns").as_uri())
+    assert tracking_uri("", run_dir) == (tmp_path / "somewhere" / "mlruns").as_uri()
+    monkeypatch.setenv(URI_VARIABLE, "elsewhere")  # a folder: an absolute file: URI
+    assert tracking_uri("", run_dir) == (tmp_path / "elsewhere").as_uri()
+    assert tracking_uri("http://given:5000", run_dir) == "http://given:5000"
