@@ -6,9 +6,10 @@ group's ``lr`` (and ``betas``, which OneCycleLR cycles) reaches the compiled ste
 tensors on the parameters' device, the same objects at every step, filled in place with the
 group's floats when they changed: a new LR is new data, not a new graph. Loading a state
 dict into the optimizer (a resume in the same process) copies the loaded values into the
-state tensors it had, which the compiled step's guards also hold by identity. Outside the step the groups keep their floats, so
-schedules, handlers, an LR scale and checkpoints (``weights_only=True`` included) see
-exactly what an eager run sees, and a resume loads the same state either way.
+state tensors it had, which the compiled step's guards also hold by identity. Outside the
+step the groups keep their floats, so schedules, handlers, an LR scale and checkpoints
+(``weights_only=True`` included) see exactly what an eager run sees, and a resume loads the
+same state either way.
 
 With ``cuda_graphs`` (CUDA only) the step compiles in ``reduce-overhead`` mode: inductor
 records it in a CUDA graph and replays it, one launch instead of one per op; this needs a
