@@ -20,9 +20,10 @@ def test_a_dry_run_prints_one_table_and_leaves_the_doc_alone(monkeypatch, capsys
     monkeypatch.setattr(gpu_table, "recipe_run", fake_recipe_run)
     doc = tmp_path / "performance.md"
     doc.write_text(f"before\n{MARKERS[0]}\nUnmeasured on a GPU\n{MARKERS[1]}\nafter\n")
-    assert gpu_table.main(["--dry-run", "--doc", str(doc)]) == 0
+    assert gpu_table.main(["--dry-run", "--doc", str(doc), "--commit", "abc1234"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("DRY RUN on the CPU at toy sizes: these are no GPU figures")
+    assert "; commit abc1234; " in out.splitlines()[0]
     assert out.count("| what | figure |") == 1
     assert "| airbench94 x3 | not run: airbench94 needs a CUDA device |" in out
     assert "| recipe defaults, compiled x1 | 10.0 s wall, 91.00% test |" in out
@@ -63,6 +64,13 @@ def test_arms_past_the_budget_are_listed_as_not_run():
         {"a": lambda: calls.append("a") or (5.0, 0.95)}, 3, Budget(-1), lambda _: None)
     assert calls == [] and reaching == {}
     assert rows == [Row("a x3", "not run: the time budget was spent")]
+
+
+def test_a_repeat_starts_only_if_it_fits_what_the_later_phases_leave():
+    runs = iter([(50.0, 0.95), (50.0, 0.95)]).__next__
+    rows, _ = gpu_table.run_rows({"a": runs}, 3, Budget(100), lambda _: None, reserve=60)
+    # 40 s left after the reserve: the first starts, the second (as long as 50 s) does not
+    assert rows == [Row("a x1", "50.0 s wall, 95.00% test")]
 
 
 def test_time_to_target_is_the_fastest_arm_whose_mean_reaches_it():
