@@ -16,8 +16,10 @@ from ignite.engine import Events
 from ignite.metrics import Accuracy
 from torch._dynamo.utils import counters
 
+import engine.trainer
 from engine import Muon, create_evaluator, create_trainer
 from engine.compiled_step import DELIBERATE, CompiledUpdate, report_graph_breaks
+from engine.update_gate import MaskedGate
 from handlers.lookahead import Lookahead
 from handlers.lr_scheduling import build_scheduler
 
@@ -94,12 +96,17 @@ def state(model, optimizer, trainer, schedule) -> dict:
 # Each schedule changes a value at every step: warmup_cosine the LR; onecycle the LR and
 # momentum, which it cycles as betas[0] where the optimizer has betas (AdamW, and Muon, whose
 # defaults hold them) and as momentum elsewhere (SGD).
-@pytest.mark.parametrize("optimizer, schedule", [
-    ("muon", "warmup_cosine"), ("muon with adamw", "onecycle"), ("sgd", "onecycle"),
-    ("adamw", "onecycle")])
-def test_nothing_compiles_again_after_the_first_epoch(optimizer, schedule, make_mlp,
-                                                      make_batches, tmp_path):
+# The masked gate is CUDA's (it clones and puts back the state around the step), run here on
+# the CPU (its constructor takes make_gate's arguments).
+@pytest.mark.parametrize("optimizer, schedule, gate", [
+    ("muon", "warmup_cosine", "host"), ("muon with adamw", "onecycle", "host"),
+    ("sgd", "onecycle", "host"), ("adamw", "onecycle", "host"),
+    ("muon", "warmup_cosine", "masked"), ("adamw", "onecycle", "masked")])
+def test_nothing_compiles_again_after_the_first_epoch(optimizer, schedule, gate, make_mlp,
+                                                      make_batches, tmp_path, monkeypatch):
     torch._dynamo.reset()
+    if gate == "masked":
+        monkeypatch.setattr(engine.trainer, "make_gate", MaskedGate)
     model, optimizer, trainer, schedule = build(make_mlp, optimizer=optimizer,
                                                 schedule=schedule)
     Lookahead(model, total_steps=EPOCHS * BATCHES, every=2).attach(trainer)
