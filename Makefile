@@ -44,9 +44,15 @@ bench-extra: $(STAMP)
 bench: bench-extra
 	$(PY) -m benchmarks --out docs/benchmarks.md
 
-# The GPU section alone (CUDA only), into runs/benchmarks-gpu.md.
-bench-gpu: bench-extra
-	$(PY) -m benchmarks --only gpu
+# One table on a CUDA machine in under 8 minutes (benchmarks/tools/gpu_table.py), also written
+# into docs/performance.md. On a bare GPU machine without .venv, with the interpreter there:
+# `source .gpu/env.sh && make bench-gpu PY=python3` (no install: PY is not the venv's).
+# BENCH_GPU_ARGS=--dry-run runs its CPU parts at toy sizes instead; COMMIT=<hash> names the
+# commit where git is absent (the GPU machine receives the tree, not its history).
+BENCH_GPU_ARGS ?=
+COMMIT ?=
+bench-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),bench-extra)
+	$(PY) -m benchmarks.tools.gpu_table --doc docs/performance.md $(if $(COMMIT),--commit $(COMMIT)) $(BENCH_GPU_ARGS)
 
 # The MLflow tracker's per-iteration cost alone (section 1, tiny model; no Lightning needed),
 # into runs/benchmarks-tracker.md.

@@ -160,7 +160,10 @@ class Muon(torch.optim.Optimizer):
             shape_scale = max(1.0, matrix.shape[0] / matrix.shape[1]) ** 0.5
             # Under FSDP2 each rank holds rows of the matrix: orthogonalised whole.
             orthogonal = on_whole(orthogonalize, matrix, group["ns_steps"])
-            p.add_(orthogonal.view_as(p), alpha=-lr * shape_scale)
+            if isinstance(lr, torch.Tensor):  # --compile's (engine.compiled_step): no alpha,
+                p.sub_(orthogonal.view_as(p) * (lr * shape_scale))  # which reads it on the host
+            else:
+                p.add_(orthogonal.view_as(p), alpha=-lr * shape_scale)
 
 
 def _check_number(name: str, value: Any, low: float, high: float = math.inf) -> None:

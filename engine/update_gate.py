@@ -25,17 +25,19 @@ from engine.sharding import local_shards, shard_group, whole_norms
 StepVeto = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
 
 
-def step_with_lr_scale(optimizer: torch.optim.Optimizer, lr_scale: float) -> None:
-    """``optimizer.step()`` with every group's LR times ``lr_scale`` for this call only, so
-    no handler, schedule or checkpoint ever sees the scaled LR."""
+def step_with_lr_scale(optimizer: torch.optim.Optimizer, lr_scale: float,
+                       step: Callable[[], object] | None = None) -> None:
+    """``step()`` (default ``optimizer.step``) with every group's LR times ``lr_scale`` for
+    this call only, so no handler, schedule or checkpoint ever sees the scaled LR."""
+    step = optimizer.step if step is None else step
     if lr_scale == 1.0:
-        optimizer.step()
+        step()
         return
     lrs = [group["lr"] for group in optimizer.param_groups]
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr * lr_scale
     try:
-        optimizer.step()
+        step()
     finally:
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
@@ -56,6 +58,7 @@ class HostGate:
         self._applied = True
         self._vetoed = False
         self.lr_scale = 1.0  # see step_with_lr_scale
+        self.step = optimizer.step  # --compile puts its compiled update here
 
     def update(
         self, grads: list[torch.Tensor], stepped: list[torch.Tensor], max_grad_norm: float | None,
@@ -78,9 +81,9 @@ class HostGate:
                 if coef < 1.0:
                     torch._foreach_mul_(grads, coef)
             if self.lr_scale == 1.0:
-                self.optimizer.step()
+                self.step()
             else:
-                step_with_lr_scale(self.optimizer, self.lr_scale)
+                step_with_lr_scale(self.optimizer, self.lr_scale, self.step)
         return per_gradient, norm_tensor
 
     def finite(self) -> bool:
@@ -119,6 +122,7 @@ class MaskedGate:
         self._saved_state: list[tuple[torch.Tensor, dict | None]] = []
         self._host_snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lr_scale = 1.0  # see step_with_lr_scale
+        self.step = optimizer.step  # --compile puts its compiled update here
 
     @torch.no_grad()
     def update(
@@ -147,7 +151,7 @@ class MaskedGate:
         on_device, on_host = local_shards(on_device), local_shards(on_host)
         backups = [t.clone() for t in on_device]
         self._host_snapshots = [(t, t.clone()) for t in on_host]
-        step_with_lr_scale(self.optimizer, self.lr_scale)
+        step_with_lr_scale(self.optimizer, self.lr_scale, self.step)
         for live, backup in zip(on_device, backups, strict=True):
             torch.where(applied, live, backup, out=live)
         self._flags[0].copy_(applied, non_blocking=True)

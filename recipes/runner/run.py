@@ -175,9 +175,12 @@ def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | No
         raise ConfigError(f"--backend: this run resolves to {launch.backend}, but the group "
                           f"was started with {idist.backend()}; give --device and --backend")
     try:
-        resolve_precision(config.precision, config.device)
+        device = resolve_precision(config.precision, config.device).device
     except ValueError as error:
         raise ConfigError(f"--device/--precision: {error}") from None
+    if config.cuda_graphs and not (config.compile and device.type == "cuda"):
+        raise ConfigError(f"--cuda-graphs: needs --compile true and a CUDA device, got "
+                          f"--compile {str(config.compile).lower()} on {device.type}")
     check_strategy(recipe, config)
     if config.scheduler == "warmup_cosine" and config.warmup() >= config.epochs:
         raise ConfigError(f"--warmup-epochs: must be < --epochs {config.epochs} for "
@@ -298,7 +301,8 @@ def build_parts(recipe: Recipe, config: RunConfig, data: Any, run_dir: Path
                              forward=parts.forward, device=ctx.device,
                              precision=config.precision, accum_steps=config.accum_steps,
                              max_grad_norm=config.max_grad_norm,
-                             prepare_batch=parts.prepare_batch, compile=config.compile)
+                             prepare_batch=parts.prepare_batch, compile=config.compile,
+                             cuda_graphs=config.cuda_graphs)
     return ctx, parts, trainer
 
 

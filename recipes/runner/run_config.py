@@ -131,8 +131,11 @@ class RunConfig:
     seed: int = run_key(0, "seed of init, data order and augmentation", min=0,
                         fixed_on_resume=True)
     device: str = run_key("auto", "cpu | cuda | cuda:N | auto")
-    compile: bool = run_key(False, "torch.compile the model's forward (a one-time compile "
-                            "of about a minute on a CPU; checkpoints are the same either way)")
+    compile: bool = run_key(False, "torch.compile the step: the model's forward and backward "
+                            "and the optimizer update (a one-time compile of about a minute on "
+                            "a CPU; checkpoints are the same either way)")
+    cuda_graphs: bool = run_key(False, "with --compile on CUDA: record the compiled step in CUDA "
+                                "graphs and replay them (compile's reduce-overhead mode)")
     activation_checkpointing: bool = run_key(
         False, "keep only each transformer block's input for the backward and recompute the "
         "rest there: less activation memory for about one more forward (charlm)")

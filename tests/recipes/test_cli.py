@@ -240,6 +240,11 @@ BAD_INPUT = {
     "missing data dir": (["cifar", "--data-dir", "nowhere/cifar10"],
                          ["no CIFAR-10 found in nowhere/cifar10", "train/<class>/*.jpg"]),
     "empty run name": (["cifar", "--run-name", ""], ["--run-name", "must not be empty"]),
+    "cuda graphs eager": (["cifar", "--dataset", "synthetic", "--cuda-graphs", "true"],
+                          ["--cuda-graphs", "needs --compile true", "--compile false"]),
+    "cuda graphs on cpu": (["cifar", "--dataset", "synthetic", "--device", "cpu", "--compile",
+                            "true", "--cuda-graphs", "true"],
+                           ["--cuda-graphs", "a CUDA device", "on cpu"]),
 }
 
 
