@@ -204,8 +204,8 @@ def test_make_train_takes_a_stop_by_signal_for_no_error(exit_code, an_error, tmp
 def test_ctrl_c_under_make_train_saves_the_run_and_make_reports_the_interrupt(tmp_path):
     """Ctrl-C goes to the terminal's whole process group: make as well as the run. The run
     saves and prints its continue line; make, interrupted itself, ends by SIGINT (a shell's
-    exit status 130), as the README says. A tiny run long enough to be mid-training."""
-    write_text(tmp_path)
+    exit status 130), as docs/usage.md says. A tiny run long enough to be mid-training."""
+    write_text(tmp_path / "text.txt")
     args = shlex.join([*CHARLM_IN_FOLDER[1:-4], "--epochs", "200", "--checkpoint-every", "1",
                        "--run-name", "ctrl-c"])
     make = subprocess.Popen(["make", "--no-print-directory", "-f", str(REPO / "Makefile"),
@@ -226,8 +226,8 @@ def test_ctrl_c_under_make_train_saves_the_run_and_make_reports_the_interrupt(tm
     assert "stopped; to continue this run: " in out, err
     summary = json.loads((tmp_path / "runs" / "charlm" / "ctrl-c" / "summary.json").read_text())
     assert summary["status"] == "interrupted by SIGINT"
-    readme = " ".join((REPO / "README.md").read_text().split())
-    assert "make itself is interrupted too and exits 130" in readme
+    usage = " ".join((REPO / "docs" / "usage.md").read_text().split())
+    assert "make itself is interrupted too and exits 130" in usage
 
 
 # --- torchrun: rank 0 chooses, every rank follows ---------------------------------------
