@@ -5,22 +5,28 @@ adds its own in ``Recipe.commands`` (every recipe: ``export``, ``recipes.runner.
 and images: ``predict``, charlm: ``generate``). Each loads the trained model through
 ``recipes.runner.trained.load_trained`` (``consolidate``: the checkpoint alone) and writes
 nothing in the run folder except ``evaluate``'s JSON in ``<run>/evaluations/`` and
-``export``'s and ``consolidate``'s files in ``<run>/export/``.
+``export``'s and ``consolidate``'s files in ``<run>/export/``. A write the disk refuses (a
+read-only folder, a full disk) ends the command with one ``error:`` line naming the file and
+exit 4, as a failed checkpoint save ends training.
 """
 
 import argparse
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
 from engine import create_evaluator
+from handlers.atomic_write import os_error_behind
 from recipes.runner.api import Recipe
 from recipes.runner.config import ConfigError
 from recipes.runner.folder import write_json_atomic
 from recipes.runner.trained import CHECKPOINTS, Trained, load_trained
 
 VALIDATION = "validation"
+DISK_EXIT = 4  # the disk refused a write: not the user's mistake (2), as for training
 
 
 def commands_of(recipe: Recipe) -> dict[str, Callable[[Recipe, list[str]], int]]:
@@ -35,7 +41,27 @@ def run_command(recipe: Recipe, name: str, args: list[str]) -> int:
     if name not in commands:
         raise ConfigError(f"unknown command {name!r} for {recipe.name}; commands: "
                           f"{', '.join(commands)} (training takes --key value flags only)")
-    return commands[name](recipe, args)
+    try:
+        return commands[name](recipe, args)
+    except OSError as error:  # what the disk refused (``writing`` names the output file)
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"error: {name}: {where}{error.strerror or error}", file=sys.stderr)
+        return DISK_EXIT
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Around the writes of a command's output ``path`` (its folder made, the file written
+    through a temp file): the disk's ``OSError`` comes out naming ``path`` rather than the
+    temp file or nothing (a full disk's write names no file; torch's zip writer reports it
+    as a ``RuntimeError`` with the ``OSError`` in its chain)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        refused = os_error_behind(error)
+        if refused is None:
+            raise
+        raise OSError(refused.errno, refused.strerror, str(path)) from error
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -96,13 +122,14 @@ def evaluate(recipe: Recipe, args: list[str]) -> int:
         was = recorded.get(name)
         print(f"{name:<12} {value:>10.4f} {'' if was is None else f'{was:.4f}':>10}")
     out = trained.run_dir / "evaluations" / f"{trained.checkpoint.stem}-{options.split}.json"
-    out.parent.mkdir(exist_ok=True)
-    write_json_atomic(out, {
-        "recipe": recipe.name, "checkpoint": str(trained.checkpoint), "split": options.split,
-        "samples": samples, "evaluation": evaluation, "device": str(trained.device),
-        "epoch": meta["epoch"], "iteration": meta["iteration"],
-        "optimizer_step": meta["optimizer_step"], "metrics": metrics,
-        "recorded": recorded or None, "seconds": round(seconds, 3)})
+    with writing(out):
+        out.parent.mkdir(exist_ok=True)
+        write_json_atomic(out, {
+            "recipe": recipe.name, "checkpoint": str(trained.checkpoint),
+            "split": options.split, "samples": samples, "evaluation": evaluation,
+            "device": str(trained.device), "epoch": meta["epoch"],
+            "iteration": meta["iteration"], "optimizer_step": meta["optimizer_step"],
+            "metrics": metrics, "recorded": recorded or None, "seconds": round(seconds, 3)})
     print(f"wrote {out}")
     return 0
 
