@@ -21,8 +21,9 @@ from typing import NoReturn
 from engine import create_evaluator
 from handlers.atomic_write import os_error_behind
 from recipes.runner.api import Recipe
-from recipes.runner.config import ConfigError
+from recipes.runner.config import ConfigError, text_problem
 from recipes.runner.folder import write_json_atomic
+from recipes.runner.run_config import MAX_SEED
 from recipes.runner.trained import CHECKPOINTS, Trained, load_trained
 
 VALIDATION = "validation"
@@ -95,6 +96,25 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return value
+
+
+def seed_int(text: str) -> int:
+    """An argument type: a seed, an integer from 0 to ``MAX_SEED`` (what torch takes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {MAX_SEED}, got {text!r}")
+    return value
+
+
+def utf8_text(text: str) -> str:
+    """An argument type: UTF-8 text without NUL bytes (``text_problem``)."""
+    problem = text_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def evaluate(recipe: Recipe, args: list[str]) -> int:
