@@ -213,3 +213,29 @@ def _descendants(pid: int) -> list[int]:
     children = Path(f"/proc/{pid}/task/{pid}/children")
     found = [int(child) for child in children.read_text().split()] if children.exists() else []
     return found + [grandchild for child in found for grandchild in _descendants(child)]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("save_every, refused_by", [
+    ("50", "could not write the run's logs"),  # the flush at the epoch's end, before its save
+    ("3", "{run}/checkpoints/step-00000003.pt: could not save"),  # the checkpoint's snapshot
+])
+def test_a_full_disk_under_metrics_jsonl_is_one_line_and_exit_4(save_every, refused_by,
+                                                                 tmp_path, capsys):
+    """``metrics.jsonl`` is appended at each evaluation, epoch end and checkpoint: a disk
+    that refuses it stops the run with one line, not a traceback of the flush and another
+    of the close."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").symlink_to("/dev/full")  # every write fails with ENOSPC
+
+    code = main([*CHARLM, "--text", str(write_text(tmp_path / "corpus.txt")), "--run-dir",
+                 str(run_dir), "--epochs", "1", "--log-every", "2",
+                 "--checkpoint-every", save_every])
+
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 4 and lines == [
+        f"error: {refused_by.format(run=run_dir)}: [Errno 28] No space left on device: "
+        f"'{run_dir / 'metrics.jsonl'}'"], lines
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"].startswith("stopped: ")
