@@ -44,6 +44,8 @@ def run_command(recipe: Recipe, name: str, args: list[str]) -> int:
                           f"{', '.join(commands)} (training takes --key value flags only)")
     try:
         return commands[name](recipe, args)
+    except BrokenPipeError:
+        raise  # the reader of stdout has gone: the command line ends quietly (141)
     except OSError as error:  # what the disk refused (``writing`` names the output file)
         where = f"{error.filename}: " if error.filename else ""
         print(f"error: {name}: {where}{error.strerror or error}", file=sys.stderr)

@@ -382,6 +382,8 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
         status, exit_code = f"stopped: {error}", 4  # not a usage error: 2 is for those
         if rank == 0:  # every rank raises it (RankZeroSave); rank 0 has the cause
             print(f"error: {error}", file=sys.stderr)
+    except BrokenPipeError:
+        raise  # the reader of stdout has gone: the command line ends quietly (141)
     except OSError as error:  # rank 0's logs (metrics.jsonl) refused at an evaluation or end
         status, exit_code = f"stopped: could not write the run's logs: {error}", 4
         print(f"error: could not write the run's logs: {error}", file=sys.stderr)

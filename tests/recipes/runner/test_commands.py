@@ -9,6 +9,7 @@ start-up); ``test_cli.py`` covers the real process's exit status and stderr.
 """
 
 import builtins
+import dataclasses
 import errno
 import json
 import os
@@ -25,6 +26,7 @@ from PIL import Image
 
 from engine import create_evaluator
 from recipes.__main__ import main
+from recipes.runner.commands import run_command
 from recipes.runner.registry import load_recipe
 from recipes.runner.trained import load_trained
 from tests.recipes.runner.test_run import one_error_line
@@ -339,6 +341,24 @@ def test_a_read_only_run_folder_is_one_line_naming_the_file_and_exit_4(
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 4 and lines == [f"error: {name}: {cifar_run / written}: Read-only file system"]
     assert digests(cifar_run) == before
+
+
+def with_command(failure: BaseException):
+    def command(recipe, args):
+        raise failure
+
+    return dataclasses.replace(load_recipe("charlm"), commands={"fails": command})
+
+
+def test_a_refused_write_that_reaches_the_command_line_is_exit_4_naming_the_file(capsys):
+    refused = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "out/x.json")
+    assert run_command(with_command(refused), "fails", []) == 4
+    assert capsys.readouterr().err == "error: fails: out/x.json: No space left on device\n"
+
+
+def test_a_closed_stdout_is_left_to_the_command_line_not_called_a_disk_error():
+    with pytest.raises(BrokenPipeError):  # python -m recipes ends it quietly, exit 141
+        run_command(with_command(BrokenPipeError(errno.EPIPE, "Broken pipe")), "fails", [])
 
 
 FULL_DISK_EXPORT = """
