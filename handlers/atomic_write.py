@@ -4,6 +4,8 @@
 ``write_atomically`` writes a temp file in the same folder → ``write(file)`` → flush + fsync →
 ``os.replace`` → fsync of the folder. A crash at any instant leaves either the previous file
 or the new one, whole; after it returns, the new file and its name survive a power cut.
+``os_error_behind`` finds the ``OSError`` behind a writer's own exception (``torch.save``'s
+zip writer reports a full disk as a ``RuntimeError``).
 """
 
 import os
@@ -59,3 +61,20 @@ def fsync_dir(dirname: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def os_error_behind(error: BaseException) -> OSError | None:
+    """The first ``OSError`` with an errno in ``error``'s chain (``error`` itself, then its
+    ``__cause__`` or ``__context__``, and so on), as a new ``OSError`` of that errno, reason
+    and file; None when there is none. ``torch.save``'s zip writer turns the ``OSError(28)``
+    of a full disk into ``RuntimeError("[enforce fail at inline_container.cc:...] unexpected
+    pos ...")``, which says nothing of the disk; the OSError is its ``__context__``."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        if isinstance(link, OSError) and link.errno is not None:
+            return OSError(link.errno, link.strerror, *([link.filename] if link.filename
+                                                        else []))
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None

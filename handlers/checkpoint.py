@@ -307,7 +307,10 @@ class Checkpointer:
     def _commit(self, name: str, kind: str, history: list[str], best: list[dict[str, Any]],
                 evicted: list[str], score: float | None) -> None:
         state, path = self.trainer.state, self.dirname / name
-        payload = self.format.snapshot(self.to_save)
+        try:  # a state_dict may write: the logger's appends metrics.jsonl, which a disk refuses
+            payload = self.format.snapshot(self.to_save)
+        except OSError as err:
+            raise CheckpointError(path, f"could not save: {err}") from err
         bad_tensor = self.format.first_non_finite(payload["model"])
         if bad_tensor is not None:
             logger.warning("not saving %s: model tensor %r is not finite (NaN/inf) at iteration %d",

@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
-from handlers.atomic_write import fsync_dir, write_atomically
+from handlers.atomic_write import fsync_dir, os_error_behind, write_atomically
 from handlers.crash_points import CrashPoints
 
 FORMAT_VERSION = 1
@@ -174,11 +174,13 @@ class SingleFile:
 
 def _torch_save(payload: dict[str, Any], file: BinaryIO) -> None:
     """``torch.save``, with a failed write as the ``OSError`` it is: the zip writer reports a
-    full disk or a file-size limit as a RuntimeError (``inline_container.cc``)."""
+    full disk or a file-size limit as a RuntimeError (``inline_container.cc``), the disk's
+    own ``OSError`` (errno and reason) in its chain."""
     try:
         torch.save(payload, file)
     except RuntimeError as err:
-        raise OSError((str(err).strip().splitlines() or [type(err).__name__])[0]) from err
+        raise os_error_behind(err) or OSError(
+            (str(err).strip().splitlines() or [type(err).__name__])[0]) from err
 
 
 def first_non_finite(state: dict[str, Any]) -> str | None:

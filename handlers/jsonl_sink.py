@@ -17,8 +17,13 @@ the checkpoint, which the resumed run writes again). The file is only opened at 
 ``flush()``: a run that writes nothing (one found already complete) leaves it untouched,
 and a run that starts without a checkpoint starts the file anew. A file shorter than the
 checkpoint says (edited, or lost with an unsynced disk) is kept as it is, with a warning.
+
+A write the disk refuses (full, read-only) raises an ``OSError`` naming the file at that
+``flush()`` and at every later one, so that no checkpoint counts lines the file lacks; the
+file is closed then, and ``close()`` raises nothing more: the run stops on one error.
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -47,6 +52,7 @@ class JsonLinesSink:
         self._keep = 0  # the file's records to keep when it is opened: the checkpoint's
         self._file: IO[bytes] | None = None
         self._closed = False
+        self._failed: OSError | None = None  # the disk's refusal, raised at every flush
 
     def write(self, step: int, epoch: int, wall_time: float,
               scalars: Mapping[str, float]) -> None:
@@ -55,18 +61,26 @@ class JsonLinesSink:
         self._records += 1
 
     def flush(self) -> None:
+        if self._failed is not None:
+            raise OSError(self._failed.errno, self._failed.strerror, str(self.path))
         if self._closed:
             return
-        if self._file is None:
-            self._open()
-        if self._held:
-            held, self._held = self._held, []
-            self._file.write("".join(map(_line, held)).encode())
-            self._file.flush()
+        try:
+            if self._file is None:
+                self._open()
+            if self._held:
+                held, self._held = self._held, []
+                self._file.write("".join(map(_line, held)).encode())
+                self._file.flush()
+        except OSError as error:
+            self._failed = error
+            self._abandon()
+            raise OSError(error.errno, error.strerror, str(self.path)) from error
 
     def close(self) -> None:
-        """Write what is held and close; closing again does nothing."""
-        if self._held:
+        """Write what is held and close; closing again, or after a failed write, does
+        nothing."""
+        if self._held and self._failed is None:
             self.flush()
         if self._file is not None:
             self._file.close()
@@ -82,6 +96,15 @@ class JsonLinesSink:
             self._file.close()
             self._file = None
         self._keep = self._records = int(state["records"])
+        self._held = []
+
+    def _abandon(self) -> None:
+        """Close the file without what its buffer still holds: closing would write it again,
+        and fail again."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()  # the descriptor is closed even when the flush fails
+            self._file = None
         self._held = []
 
     def _open(self) -> None:

@@ -63,7 +63,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
-from handlers.atomic_write import fsync_dir, write_atomically
+from handlers.atomic_write import fsync_dir, os_error_behind, write_atomically
 from handlers.checkpoint_files import (
     CheckpointError,
     check_run_id,
@@ -169,7 +169,7 @@ class ShardedFolder:
                 dcp.save(sharded, storage_writer=dcp.FileSystemWriter(temp, sync_files=True),
                          planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
         except CheckpointException as err:  # DCP gathers every process's failure into it
-            raise OSError(_first_line(err)) from err
+            raise _disk_error(err) or OSError(_first_line(err)) from err
         if _rank() != 0:
             return
         crash.reach("mid_write")  # the shards are written, state.pt is not
@@ -395,7 +395,7 @@ def _write_durably(file: Path, payload: dict[str, Any]) -> None:
         try:
             torch.save(payload, stream)
         except RuntimeError as err:  # the zip writer reports a failed write so
-            raise OSError(_first_line(err)) from err
+            raise os_error_behind(err) or OSError(_first_line(err)) from err
         stream.flush()
         os.fsync(stream.fileno())
 
@@ -420,6 +420,16 @@ def _quiet_about_one_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _disk_error(err: CheckpointException) -> OSError | None:
+    """The disk's ``OSError`` behind the first process's failure that has one (a full disk:
+    DCP's writer reports it as torch.save's ``RuntimeError``)."""
+    for _, (failure, _) in sorted(err.failures.items()):
+        found = os_error_behind(failure)
+        if found is not None:
+            return found
+    return None
 
 
 def _first_line(err: BaseException) -> str:

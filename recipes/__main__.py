@@ -12,8 +12,9 @@ command line's override them); ``--print-config`` prints the resolved config as 
 User mistakes (a bad key or value, missing data, no usable checkpoint) end with
 one ``error:`` line and exit code 2, before anything is written to disk.
 A run that stops on its own also ends with one ``error:`` line (or a summary):
-3 when gradients stay non-finite, 4 when a checkpoint cannot be written (disk
-full, permission denied, read-only folder; the previous checkpoint is intact),
+3 when gradients stay non-finite, 4 when a checkpoint or the run's logs cannot be
+written (disk full, permission denied, read-only folder; the previous checkpoint is
+intact) or a command's output cannot (``recipes.runner.commands``),
 143 after SIGTERM and 130 after Ctrl-C (each once the current step is saved);
 141, quietly, when the reader of its output has gone (``--help | head -1``).
 """

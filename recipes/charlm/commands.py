@@ -8,7 +8,7 @@ import torch
 from torch.export import Dim
 
 from recipes.runner.api import Recipe
-from recipes.runner.command_parser import CommandParser, positive_int
+from recipes.runner.command_parser import CommandParser, positive_int, seed_int, utf8_text
 from recipes.runner.config import ConfigError
 from recipes.runner.export import Exportable, export_command
 from recipes.runner.trained import Trained, load_trained
@@ -32,7 +32,8 @@ def generate(recipe: Recipe, args: list[str]) -> int:
     text. Bytes that are not UTF-8 print as U+FFFD."""
     parser = CommandParser(recipe, "generate", "Text from a trained charlm model: the prompt "
                            "and its continuation, one sample after another.")
-    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--prompt", required=True, type=utf8_text,
+                        help="the text to continue (UTF-8)")
     parser.add_argument("--max-new-bytes", type=positive_int, default=200,
                         help="bytes generated per sample (default 200)")
     parser.add_argument("--temperature", type=positive_float, default=0.8,
@@ -42,8 +43,8 @@ def generate(recipe: Recipe, args: list[str]) -> int:
                         f"{VOCABULARY})")
     parser.add_argument("--num-samples", type=positive_int, default=1,
                         help="how many samples (default 1)")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="seed of the sampling (default: the run's --seed)")
+    parser.add_argument("--seed", type=seed_int, default=None,
+                        help="seed of the sampling, 0 to 2**64 - 1 (default: the run's --seed)")
     options = parser.parse_args(args)
     prompt = options.prompt.encode("utf-8")
     if not prompt:

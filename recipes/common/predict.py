@@ -9,6 +9,7 @@ precision, as an evaluation does; probabilities are the softmax of those logits.
 """
 
 import csv
+import io
 import json
 import os
 import sys
@@ -20,9 +21,10 @@ import torch
 from ignite.engine import Events
 
 from engine import create_evaluator
+from handlers.atomic_write import write_atomically
 from recipes.common.image_files import IMAGE_SUFFIXES, has_image_suffix, read_image
 from recipes.runner.api import Recipe
-from recipes.runner.command_parser import CommandParser, output_path, positive_int
+from recipes.runner.command_parser import CommandParser, output_path, positive_int, writing
 from recipes.runner.errors import DataError
 from recipes.runner.trained import Trained, load_trained
 
@@ -57,7 +59,8 @@ def predict_command(image_batch: ImageBatch, class_names: Callable[[Any], Sequen
         for path, top in rows:
             print(f"{path}  " + "  ".join(f"{name} {p:.3f}" for name, p in top))
         if out is not None:
-            write_predictions(out, rows, trained)
+            with writing(out):
+                write_predictions(out, rows, trained)
             print(f"wrote {out}")
         return 0
 
@@ -122,17 +125,20 @@ def classify(trained: Trained, image_batch: ImageBatch, files: list[str],
 
 def write_predictions(out: Path, rows: list[tuple[str, list[tuple[str, float]]]],
                       trained: Trained) -> None:
-    """``.csv``: one row per (file, rank); ``.json``: the checkpoint and each file's list."""
+    """``.csv``: one row per (file, rank); ``.json``: the checkpoint and each file's list.
+    Written through a temp file: a failed write leaves an earlier file of that name whole."""
     if out.suffix.lower() == ".csv":
-        with open(out, "w", newline="") as file:
-            writer = csv.writer(file)
-            writer.writerow(["path", "rank", "class", "probability"])
-            for path, top in rows:
-                writer.writerows([path, rank, name, f"{p:.6f}"]
-                                 for rank, (name, p) in enumerate(top, 1))
-        return
-    out.write_text(json.dumps({
-        "checkpoint": str(trained.checkpoint),
-        "predictions": [{"path": path, "top": [{"class": name, "probability": p}
-                                                for name, p in top]} for path, top in rows],
-    }, indent=2) + "\n")
+        text = io.StringIO(newline="")
+        writer = csv.writer(text)
+        writer.writerow(["path", "rank", "class", "probability"])
+        for path, top in rows:
+            writer.writerows([path, rank, name, f"{p:.6f}"]
+                             for rank, (name, p) in enumerate(top, 1))
+        content = text.getvalue()
+    else:
+        content = json.dumps({
+            "checkpoint": str(trained.checkpoint),
+            "predictions": [{"path": path, "top": [{"class": name, "probability": p}
+                                                    for name, p in top]} for path, top in rows],
+        }, indent=2) + "\n"
+    write_atomically(out, lambda file: file.write(content.encode()), file_mode=0o644)

@@ -2,11 +2,15 @@
 checkpoint it reads, ``--checkpoint``, ``--device``, and the argument types the commands share."""
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
+from handlers.atomic_write import os_error_behind
 from recipes.runner.api import Recipe
-from recipes.runner.config import ConfigError
+from recipes.runner.config import ConfigError, text_problem
+from recipes.runner.run_config import MAX_SEED
 from recipes.runner.trained import CHECKPOINTS
 
 
@@ -51,3 +55,37 @@ def output_path(text: str, suffixes: tuple[str, ...]) -> Path:
     if not path.parent.is_dir():
         raise ConfigError(f"--out {text}: the folder {path.parent} does not exist")
     return path
+
+
+def seed_int(text: str) -> int:
+    """An argument type: a seed, an integer from 0 to ``MAX_SEED`` (what torch takes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {MAX_SEED}, got {text!r}")
+    return value
+
+
+def utf8_text(text: str) -> str:
+    """An argument type: UTF-8 text without NUL bytes (``text_problem``)."""
+    problem = text_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Around the writes of a command's output ``path`` (its folder made, the file written
+    through a temp file): the disk's ``OSError`` comes out naming ``path`` rather than the
+    temp file or nothing (a full disk's write names no file; torch's zip writer reports it
+    as a ``RuntimeError`` with the ``OSError`` in its chain)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        refused = os_error_behind(error)
+        if refused is None:
+            raise
+        raise OSError(refused.errno, refused.strerror, str(path)) from error

@@ -5,21 +5,25 @@ adds its own in ``Recipe.commands`` (every recipe: ``export``, ``recipes.runner.
 and images: ``predict``, charlm: ``generate``). Each loads the trained model through
 ``recipes.runner.trained.load_trained`` (``consolidate``: the checkpoint alone) and writes
 nothing in the run folder except ``evaluate``'s JSON in ``<run>/evaluations/`` and
-``export``'s and ``consolidate``'s files in ``<run>/export/``.
+``export``'s and ``consolidate``'s files in ``<run>/export/``. A write the disk refuses (a
+read-only folder, a full disk) ends the command with one ``error:`` line naming the file and
+exit 4, as a failed checkpoint save ends training.
 """
 
+import sys
 import time
 from collections.abc import Callable
 
 from engine import create_evaluator
 from recipes.runner.api import Recipe
-from recipes.runner.command_parser import CommandParser
+from recipes.runner.command_parser import CommandParser, writing
 from recipes.runner.config import ConfigError
 from recipes.runner.consolidate import consolidate
 from recipes.runner.folder import write_json_atomic
 from recipes.runner.trained import Trained, load_trained
 
 VALIDATION = "validation"
+DISK_EXIT = 4  # the disk refused a write: not the user's mistake (2), as for training
 
 
 def commands_of(recipe: Recipe) -> dict[str, Callable[[Recipe, list[str]], int]]:
@@ -32,7 +36,15 @@ def run_command(recipe: Recipe, name: str, args: list[str]) -> int:
     if name not in commands:
         raise ConfigError(f"unknown command {name!r} for {recipe.name}; commands: "
                           f"{', '.join(commands)} (training takes --key value flags only)")
-    return commands[name](recipe, args)
+    try:
+        return commands[name](recipe, args)
+    except BrokenPipeError:
+        raise  # the reader of stdout has gone: the command line ends quietly (141)
+    except OSError as error:  # what the disk refused (``writing`` names the output file)
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"error: {name}: {where}{error.strerror or error}", file=sys.stderr)
+        return DISK_EXIT
+
 
 
 def evaluate(recipe: Recipe, args: list[str]) -> int:
@@ -60,13 +72,14 @@ def evaluate(recipe: Recipe, args: list[str]) -> int:
         was = recorded.get(name)
         print(f"{name:<12} {value:>10.4f} {'' if was is None else f'{was:.4f}':>10}")
     out = trained.run_dir / "evaluations" / f"{trained.checkpoint.stem}-{options.split}.json"
-    out.parent.mkdir(exist_ok=True)
-    write_json_atomic(out, {
-        "recipe": recipe.name, "checkpoint": str(trained.checkpoint), "split": options.split,
-        "samples": samples, "evaluation": evaluation, "device": str(trained.device),
-        "epoch": meta["epoch"], "iteration": meta["iteration"],
-        "optimizer_step": meta["optimizer_step"], "metrics": metrics,
-        "recorded": recorded or None, "seconds": round(seconds, 3)})
+    with writing(out):
+        out.parent.mkdir(exist_ok=True)
+        write_json_atomic(out, {
+            "recipe": recipe.name, "checkpoint": str(trained.checkpoint),
+            "split": options.split, "samples": samples, "evaluation": evaluation,
+            "device": str(trained.device), "epoch": meta["epoch"],
+            "iteration": meta["iteration"], "optimizer_step": meta["optimizer_step"],
+            "metrics": metrics, "recorded": recorded or None, "seconds": round(seconds, 3)})
     print(f"wrote {out}")
     return 0
 

@@ -116,6 +116,8 @@ def check_value(spec: dataclasses.Field, value: Any) -> None:
     meta, key = spec.metadata, flag_name(spec.name)
     if value is None:
         return
+    if isinstance(value, str) and (problem := text_problem(value)):
+        raise ConfigError(f"{key}: {problem}")
     if meta.get("choices") and value not in meta["choices"]:
         allowed = ", ".join(str(c) for c in meta["choices"])
         raise ConfigError(f"{key}: {value!r} is not allowed; choose one of: {allowed}")
@@ -130,6 +132,23 @@ def check_value(spec: dataclasses.Field, value: Any) -> None:
             raise ConfigError(f"{key}: must be <= {high}, got {value}")
     if meta.get("check") and (problem := meta["check"](value)):
         raise ConfigError(f"{key}: {problem}")
+
+
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot reach the OS or a file as it is, else None: a NUL byte (no path or
+    name may hold one: a config file can spell it ``\\u0000``), or bytes that are not UTF-8
+    (Python keeps a command line's as lone surrogates, which cannot be printed or written)."""
+    if "\0" in text:
+        return f"must not hold a NUL byte, got {text!r}"
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        try:  # the bytes as given
+            shown = text.encode(errors="surrogateescape")
+        except UnicodeEncodeError:  # a surrogate that a JSON file spelled out (\\ud800)
+            return f"must be UTF-8 text, got {text!r}"
+        return f"must be UTF-8 text, got the bytes {shown!r}"
+    return None
 
 
 def parse_args(config_cls: type, argv: Sequence[str],

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import re
+import stat
 import sys
 import textwrap
 import tomllib
@@ -52,6 +53,7 @@ RUN_PLACE = ("run_dir", "run_name", *REQUESTS)
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _TOML_LINE = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
 _WIDTH = 100
+MAX_BYTES = 1024 * 1024  # --print-config's whole output is about 10 KiB
 
 
 def parse_command_line(config_cls: type, argv: Sequence[str]) -> tuple[Any, set[str]]:
@@ -122,18 +124,56 @@ def _read_text(path: str) -> str:
     if file.suffix not in (".toml", ".json"):
         raise ConfigError(f"--config {path}: expected a .toml or .json file")
     try:
-        return file.read_bytes().decode()
+        data = _read_regular_file(file, path)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
     except OSError as error:
         raise ConfigError(f"--config {path}: cannot read it ({error.strerror})") from None
+    try:
+        return data.decode()
     except UnicodeDecodeError as error:
         raise ConfigError(f"--config {path}: not UTF-8 text (byte {error.start})") from None
 
 
+def _read_regular_file(file: Path, path: str) -> bytes:
+    """The bytes of ``file``, a regular file (a link to one too) of at most ``MAX_BYTES``.
+    Opened without waiting (a FIFO would block the open until a writer came) and checked
+    on the open descriptor: a device such as /dev/zero never ends, a FIFO may never
+    answer."""
+    descriptor = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(descriptor, "rb") as stream:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"--config {path}: not a regular file (a {_file_kind(mode)}); "
+                              "give a .toml or .json file")
+        data = stream.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        raise ConfigError(f"--config {path}: larger than {MAX_BYTES // 2**20} MiB, the most a "
+                          "config file may hold (its keys take a few KiB)")
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    kinds = {stat.S_ISCHR: "character device", stat.S_ISBLK: "block device",
+             stat.S_ISFIFO: "FIFO", stat.S_ISSOCK: "socket"}
+    return next((name for test, name in kinds.items() if test(mode)), "special file")
+
+
 def _parse(path: str, text: str) -> dict[str, Any]:
-    """The top-level table of ``text``; ConfigError with the line of a syntax error."""
-    if path.endswith(".toml"):
+    """The top-level table of ``text``; ConfigError with the line of a syntax error. Both
+    parsers recurse once per nested array or table: thousands of brackets inside each
+    other exhaust Python's stack (a RecursionError), where a config file's values are flat."""
+    kind = "TOML" if path.endswith(".toml") else "JSON"
+    try:
+        return _parse_as(kind, path, text)
+    except RecursionError:
+        raise ConfigError(f"{path}: arrays or tables nested too deeply to read as {kind}; a "
+                          "config file's values are flat (numbers, strings, true or false)"
+                          ) from None
+
+
+def _parse_as(kind: str, path: str, text: str) -> dict[str, Any]:
+    if kind == "TOML":
         try:
             return tomllib.loads(text)
         except tomllib.TOMLDecodeError as error:

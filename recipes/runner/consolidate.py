@@ -19,7 +19,7 @@ from handlers.checkpoint import read_checkpoint
 from handlers.checkpoint_files import SingleFile
 from handlers.crash_points import CrashPoints
 from recipes.runner.api import Recipe
-from recipes.runner.command_parser import CommandParser, output_path
+from recipes.runner.command_parser import CommandParser, output_path, writing
 from recipes.runner.trained import find_checkpoint, saved_config
 
 
@@ -36,9 +36,10 @@ def consolidate(recipe: Recipe, args: list[str]) -> int:
     saved_config(recipe, path, payload["meta"])  # refuses another recipe's checkpoint
     if out is None:
         out = run_dir / "export" / f"{Path(path).stem}.pt"
-        out.parent.mkdir(exist_ok=True)
     meta = {key: value for key, value in payload["meta"].items() if key != "config"}
-    SingleFile().write(out, payload, meta, file_mode=0o640, crash=CrashPoints())
+    with writing(out):
+        out.parent.mkdir(exist_ok=True)
+        SingleFile().write(out, payload, meta, file_mode=0o640, crash=CrashPoints())
     tensors = sum(1 for value in payload["model"].values() if hasattr(value, "shape"))
     print(f"consolidated {recipe.name} {path} (epoch {meta['epoch']}, step "
           f"{meta['optimizer_step']}): {tensors} model tensors")

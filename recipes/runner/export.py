@@ -20,6 +20,7 @@ input, which of its dimensions may vary, and its rebuild facts. The files go to
 ``<run>/export/<checkpoint>.<format>`` (or ``--out``); nothing else is written.
 """
 
+import io
 import json
 import warnings
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from torch.export import Dim
 
 from handlers.atomic_write import write_atomically
 from recipes.runner.api import Recipe
-from recipes.runner.command_parser import CommandParser, output_path
+from recipes.runner.command_parser import CommandParser, output_path, writing
 from recipes.runner.export_onnx import largest_onnx_difference, require_onnx, to_onnx
 from recipes.runner.folder import write_json_atomic
 from recipes.runner.trained import Trained, load_trained
@@ -85,7 +86,8 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
         trained = load_trained(recipe, options.source, options.checkpoint, options.device)
         if out is None:
             out = trained.run_dir / "export" / f"{trained.checkpoint.stem}{suffix}"
-            out.parent.mkdir(exist_ok=True)
+            with writing(out):
+                out.parent.mkdir(exist_ok=True)
         inputs = exportable.model_input(first_validation_batch(trained))
         facts = {"recipe": recipe.name, "checkpoint": str(trained.checkpoint),
                  "epoch": trained.meta["epoch"],
@@ -97,7 +99,8 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
             program = export_program(trained.parts.model, inputs, dims)
             difference = largest_difference(trained.parts.model, program.module(),
                                             inputs[:CHECKED_SAMPLES])
-            write_atomically(out, lambda file: save_program(program, file))
+            with writing(out):
+                write_atomically(out, lambda file: save_program(program, file))
             facts["input"] = input_description(inputs, dims)
             print(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
                   f"{facts['optimizer_step']}) with torch.export on {trained.device}: largest "
@@ -108,7 +111,8 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
             onnx_model = to_onnx(export_program(trained.parts.model, inputs, dims))
             difference = largest_onnx_difference(trained.parts.model, onnx_model,
                                                  inputs[:CHECKED_SAMPLES])
-            write_atomically(out, lambda file: file.write(onnx_model))
+            with writing(out):
+                write_atomically(out, lambda file: file.write(onnx_model))
             facts["input"] = input_description(inputs, dims)
             print(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
                   f"{facts['optimizer_step']}) as ONNX on {trained.device}: largest |difference| "
@@ -118,12 +122,14 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
             tensors = weights(trained.parts.model)
             facts["input"] = input_description(inputs, exportable.dynamic(trained))
             metadata = safetensors_metadata(facts)
-            write_atomically(out, lambda file: file.write(
-                safetensors.torch.save(tensors, metadata=metadata)))
+            with writing(out):
+                write_atomically(out, lambda file: file.write(
+                    safetensors.torch.save(tensors, metadata=metadata)))
             print(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
                   f"{facts['optimizer_step']}) as safetensors: {len(tensors)} tensors, "
                   f"{sum(t.numel() for t in tensors.values()):,} values")
-        write_json_atomic(json_path(out), facts)
+        with writing(json_path(out)):
+            write_json_atomic(json_path(out), facts)
         print(f"wrote {out} and {json_path(out).name}")
         return 0
 
@@ -159,11 +165,16 @@ def export_program(model: torch.nn.Module, inputs: torch.Tensor,
 
 
 def save_program(program: torch.export.ExportedProgram, file: BinaryIO) -> None:
+    """The program's archive, made in memory and then written: torch's archive writer, given
+    the file, aborts the process (``std::terminate``) after a write the disk refused; a
+    plain write raises the disk's ``OSError``."""
+    archive = io.BytesIO()
     with warnings.catch_warnings():
         # Said of each channels_last weight (its storage is not in "complete" order); the
         # program loads them as they were, which the export's tests check on its outputs.
         warnings.filterwarnings("ignore", message="No complete tensor found in the group")
-        torch.export.save(program, file)
+        torch.export.save(program, archive)
+    file.write(archive.getbuffer())
 
 
 def largest_difference(model: torch.nn.Module, exported: torch.nn.Module,

@@ -390,6 +390,11 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
         status, exit_code = f"stopped: {error}", 4  # not a usage error: 2 is for those
         if rank == 0:  # every rank raises it (RankZeroSave); rank 0 has the cause
             print(f"error: {error}", file=sys.stderr)
+    except BrokenPipeError:
+        raise  # the reader of stdout has gone: the command line ends quietly (141)
+    except OSError as error:  # rank 0's logs (metrics.jsonl) refused at an evaluation or end
+        status, exit_code = f"stopped: could not write the run's logs: {error}", 4
+        print(f"error: could not write the run's logs: {error}", file=sys.stderr)
     finally:
         handlers.stop.restore()
         if handlers.logger is not None:  # flushes what an exception left unwritten
@@ -401,8 +406,8 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
         status = f"stopped by {handlers.budget.reason}"  # by request: exit 0
     if rank == 0:
         environment = environment_record(process_device(config.device), world)
-        exit_code = _write_summary(recipe, trainer, handlers, started, status,
-                                   environment) or exit_code
+        exit_code = _write_summary(recipe, trainer, handlers, started, status, environment,
+                                   disk_error_told=exit_code == 4) or exit_code
         close_tracker(tracker, status, started.run_dir)
     return exit_code
 
@@ -424,9 +429,11 @@ def _follow_new_lr_and_length(config: RunConfig, saved: dict, trainer: Trainer,
 
 
 def _write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
-                   started: Started, status: str, environment: dict[str, Any]) -> int:
+                   started: Started, status: str, environment: dict[str, Any], *,
+                   disk_error_told: bool = False) -> int:
     """Print the closing lines, write ``summary.json`` (with the environment record) and the
-    curves; 4 when the disk refuses them."""
+    curves; 4 when the disk refuses them, with an error line unless ``disk_error_told``: the
+    run's one line already said that the disk refused a checkpoint or the logs."""
     history, early_stopping = handlers.history, handlers.early_stopping
     history.stopped_early = bool(early_stopping and early_stopping.stopped_early)
     summary = {"status": status, "run_id": started.run_id, **history.summary(trainer)}
@@ -440,8 +447,9 @@ def _write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
         plot_curves(history, started.run_dir / "curves.png",
                     title=f"{recipe.name} {started.run_dir.name}")
     except OSError as error:
-        print(f"error: could not write the summary or curves in {started.run_dir}: "
-              f"{error.strerror or error}", file=sys.stderr)
+        if not disk_error_told:
+            print(f"error: could not write the summary or curves in {started.run_dir}: "
+                  f"{error.strerror or error}", file=sys.stderr)
         return 4
     return 0
 

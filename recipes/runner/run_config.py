@@ -41,6 +41,7 @@ RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 PROFILE_WINDOW = re.compile(r"([0-9]+):([0-9]+)")
 MAX_TIME = re.compile(r"([0-9]+(?:\.[0-9]+)?)|(?=[0-9])(?:([0-9]+)d)?(?:([0-9]+)h)?"
                       r"(?:([0-9]+)m)?(?:([0-9]+)s)?")
+MAX_SEED = 2**64 - 1  # torch's generators take seeds from 0 to 2**64 - 1
 
 run_key = partial(field, group="run")
 schedule_key = partial(field, group="schedule")
@@ -128,7 +129,7 @@ class RunConfig:
                                "at update n)", min=0, max=0.9999, fixed_on_resume=True)
     swa_start: float = run_key(0.75, "SWA averages the epoch ends from this fraction of the "
                                "run on", min=0, max=1, fixed_on_resume=True)
-    seed: int = run_key(0, "seed of init, data order and augmentation", min=0,
+    seed: int = run_key(0, "seed of init, data order and augmentation", min=0, max=MAX_SEED,
                         fixed_on_resume=True)
     device: str = run_key("auto", "cpu | cuda | cuda:N | auto")
     compile: bool = run_key(False, "torch.compile the step: the model's forward and backward "

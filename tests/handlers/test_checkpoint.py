@@ -1,4 +1,5 @@
 import ast
+import contextlib
 import errno
 import hashlib
 import json
@@ -24,6 +25,7 @@ from engine import Trainer, TrainEvents, create_trainer
 from engine.run_state import RngState
 from handlers.checkpoint import Checkpointer, CheckpointError, read_checkpoint
 from handlers.goal import Goal
+from handlers.jsonl_sink import JsonLinesSink
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -545,6 +547,55 @@ def test_a_disk_error_raises_keeps_the_previous_checkpoint_and_leaves_no_temp_fi
     assert not [path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
     assert read_checkpoint(tmp_path / "last.pt", expected_run_id="run-a")["meta"]["iteration"] == 1
     assert run.ckpt.state_dict() == state_before
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_under_torch_saves_zip_writer_is_named_as_a_full_disk(tmp_path, monkeypatch):
+    """On a full disk torch.save's zip writer raises ``RuntimeError("[enforce fail at
+    inline_container.cc:672] . unexpected pos ...")``, which says nothing of the disk; the
+    disk's OSError is its ``__context__``, and the save's reason is that OSError."""
+    real_save = torch.save
+
+    def save_on_a_full_disk(obj, file, *args, **kwargs):
+        full = open("/dev/full", "wb")  # every write fails with ENOSPC  # noqa: SIM115
+        try:
+            real_save(obj, full, *args, **kwargs)
+        finally:
+            with contextlib.suppress(OSError):
+                full.close()
+
+    run = _build(tmp_path)
+    _move_trainer_to(run, 1)
+    run.ckpt.save_last(run.trainer)
+    monkeypatch.setattr(torch, "save", save_on_a_full_disk)
+    _move_trainer_to(run, 2)
+    with pytest.raises(CheckpointError) as raised:
+        run.ckpt.save_last(run.trainer)
+    assert raised.value.reason == "could not save: [Errno 28] No space left on device"
+    assert isinstance(raised.value.__cause__.__cause__, RuntimeError)  # torch's, kept
+    assert read_checkpoint(tmp_path / "last.pt")["meta"]["iteration"] == 1
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_metrics_file_the_disk_refuses_in_the_snapshot_is_a_failed_save(tmp_path):
+    """The logger's state_dict flushes metrics.jsonl into the checkpoint's snapshot: a disk
+    that refuses it fails the save as a disk error (exit 4 in a run), not an OSError from
+    outside the save, and the previous checkpoint stays."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.symlink_to("/dev/full")
+    sink = JsonLinesSink(metrics)
+    run = _build(tmp_path / "checkpoints")
+    ckpt = Checkpointer(tmp_path / "checkpoints", {**run.ckpt.to_save, "metrics": sink},
+                        run_id="run-a")
+    _move_trainer_to(run, 1)
+    ckpt.save_last(run.trainer)  # nothing to write yet
+    sink.write(step=2, epoch=1, wall_time=0.0, scalars={"train/loss": 1.0})
+    _move_trainer_to(run, 2)
+    with pytest.raises(CheckpointError) as raised:
+        ckpt.save_last(run.trainer)
+    assert str(raised.value) == (f"{tmp_path / 'checkpoints' / 'step-00000002.pt'}: could not "
+                                 f"save: [Errno 28] No space left on device: '{metrics}'")
+    assert read_checkpoint(tmp_path / "checkpoints" / "last.pt")["meta"]["iteration"] == 1
 
 
 FILE_SIZE_LIMIT_SCRIPT = """

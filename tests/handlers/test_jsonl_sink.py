@@ -1,6 +1,9 @@
+import errno
 import json
 import math
+from pathlib import Path
 
+import pytest
 import torch
 from ignite.engine import Events
 from ignite.metrics import Loss
@@ -129,3 +132,19 @@ def test_a_file_shorter_than_its_checkpoint_is_kept_with_a_warning(tmp_path, cap
     sink.close()
     assert [r["step"] for r in read(path)] == [1, 4]
     assert "holds 1 records, its checkpoint 3" in caplog.text
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_raises_at_every_flush_naming_the_file_and_close_adds_nothing(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.symlink_to("/dev/full")  # every write fails with ENOSPC
+    sink = JsonLinesSink(path)
+    sink.write(step=1, epoch=1, wall_time=0.0, scalars={"train/loss": 1.0})
+    with pytest.raises(OSError) as raised:
+        sink.flush()
+    assert (raised.value.errno, raised.value.filename) == (errno.ENOSPC, str(path))
+    sink.write(step=2, epoch=1, wall_time=0.0, scalars={"train/loss": 0.5})
+    with pytest.raises(OSError, match="No space left on device"):
+        sink.state_dict()  # a checkpoint must not count records the file lacks
+    sink.close()  # the error was raised: closing raises nothing more
+    sink.close()

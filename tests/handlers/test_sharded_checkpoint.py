@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
@@ -25,7 +27,7 @@ from engine import Trainer, create_trainer
 from engine.run_state import RngState
 from handlers.checkpoint import Checkpointer, CheckpointError, read_checkpoint
 from handlers.checkpoint_files import SingleFile
-from handlers.crash_points import CRASH_PHASES
+from handlers.crash_points import CRASH_PHASES, CrashPoints
 from handlers.sharded_checkpoint import ShardedFolder
 from recipes.runner.launch import exit_process
 
@@ -349,3 +351,27 @@ def test_sharded_tensors_outside_the_model_and_optimizer_are_refused_by_name(tmp
     finally:
         dist.destroy_process_group()
     assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_a_full_disk_under_dcp_is_named_as_a_full_disk(tmp_path, monkeypatch):
+    """DCP gathers each process's failure into a CheckpointException whose first line names
+    only the ranks; a full disk's is torch.save's RuntimeError with the disk's OSError as
+    its ``__context__``. The save raises that OSError and leaves no temp folder."""
+    def dcp_on_a_full_disk(*args, **kwargs):
+        try:
+            try:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected "  # noqa: B904
+                                   "pos 704 vs 598")
+        except RuntimeError as failure:
+            raise CheckpointException("save failed", {
+                0: (ValueError("rank 0 waited"), traceback.StackSummary()),
+                1: (failure, traceback.StackSummary())}) from None
+
+    monkeypatch.setattr(sharded_checkpoint.dcp, "save", dcp_on_a_full_disk)
+    with pytest.raises(OSError) as raised:
+        ShardedFolder().write(tmp_path / "step-00000001.dcp", {"model": {}}, {},
+                              file_mode=0o640, crash=CrashPoints())
+    assert str(raised.value) == "[Errno 28] No space left on device"
+    assert list(tmp_path.iterdir()) == []

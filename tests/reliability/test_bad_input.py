@@ -7,6 +7,7 @@ training starts, and a subprocess would spend most of its time importing torch.
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ def runs_root(tmp_path, reference, harness, monkeypatch):
     harness.copy_run(reference.run_dir, tmp_path / "runs" / "existing")
     for name, content in CONFIG_FILES.items():
         (tmp_path / name).write_text(content)
+    (tmp_path / "device.toml").symlink_to(os.devnull)
     if harness.recipe != "cifar":
         return tmp_path
     jpeg_run = harness.copy_run(reference.run_dir, tmp_path / "runs" / "existing-jpeg")
@@ -49,7 +51,9 @@ def runs_root(tmp_path, reference, harness, monkeypatch):
 
 EXISTING = ("--run-dir", "runs/existing")
 CONFIG_FILES = {"malformed.toml": "epochs = 4\nlr = \n", "malformed.json": '{"epochs": 4,}',
-                "list.json": "[4]", "negative-lr.toml": "lr = -0.1\n", "seed.toml": "seed = 9\n"}
+                "list.json": "[4]", "negative-lr.toml": "lr = -0.1\n", "seed.toml": "seed = 9\n",
+                "nul.json": '{"run_dir": "runs/\\u0000"}',
+                "deep.json": '{"lr": ' + "[" * 100_000 + "]" * 100_000 + "}"}
 BAD_INPUTS = {
     "run_name_with_dotdot": (("--run-name", "../existing"), "--run-name"),
     "run_name_with_slash": (("--run-name", "runs/existing"), "--run-name"),
@@ -72,6 +76,12 @@ BAD_INPUTS = {
                            "negative-lr.toml:1: --lr: must be > 0"),
     "config_changes_a_fixed_key": ((*EXISTING, "--config", "seed.toml"),
                                    "--seed: cannot change on resume"),
+    "config_a_device": ((*EXISTING, "--config", "device.toml"), "not a regular file"),
+    "config_nested_too_deeply": ((*EXISTING, "--config", "deep.json"), "nested too deeply"),
+    "config_nul_byte": (("--config", "nul.json"), "--run-dir: must not hold a NUL byte"),
+    "run_dir_not_utf8": (("--run-dir", "runs/\udcff"), "--run-dir: must be UTF-8 text"),
+    "seed_over_2_64": ((*EXISTING, "--seed", "99999999999999999999"),
+                       "--seed: must be <= 18446744073709551615"),
     "profile_window_reversed": ((*EXISTING, "--profile", "10:5"), "--profile"),
     "profile_window_past_the_run": ((*EXISTING, "--profile", "0:100000"), "--profile"),
     # With MLflow: the store is a file; without: MLflow is missing. Both name --tracker.

@@ -8,7 +8,14 @@ The runs and the commands call ``recipes.__main__.main`` in this process (no int
 start-up); ``test_cli.py`` covers the real process's exit status and stderr.
 """
 
+import builtins
+import dataclasses
+import errno
 import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +25,7 @@ from PIL import Image
 
 from engine import create_evaluator
 from recipes.__main__ import main
+from recipes.runner.commands import run_command
 from recipes.runner.registry import load_recipe
 from recipes.runner.trained import load_trained
 from tests.helpers import (
@@ -179,6 +187,13 @@ def test_generate_refuses_bad_arguments_in_one_line(charlm_run, capsys):
                             "--temperature: must be a number > 0, got '0'"),
                            (["--prompt", "x", "--top-k", "0"],
                             "--top-k: must be an integer >= 1, got '0'"),
+                           (["--prompt", "x", "--seed", "99999999999999999999"],
+                            "--seed: must be an integer from 0 to 18446744073709551615, got "
+                            "'99999999999999999999'"),
+                           (["--prompt", "x", "--seed", "-1"], "--seed: must be an integer"),
+                           # the bytes 0xff 0xfe on a command line, as Python holds them
+                           (["--prompt", "\udcff\udcfe"],
+                            "--prompt: must be UTF-8 text, got the bytes b'\\xff\\xfe'"),
                            ([], "--prompt")):
         code = main(["charlm", "generate", str(charlm_run), *args])
         one_error_line(code, capsys.readouterr().err, fragment)
@@ -216,6 +231,102 @@ def test_bad_runs_and_checkpoints_are_one_line_and_exit_2(command, cifar_run, ch
         code = main([recipe, command[0], source, *[str(tmp_path / a) for a in command[1:]]])
         one_error_line(code, capsys.readouterr().err, fragment)
     assert digests(cifar_run, "evaluations") == before
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """``read_only(folder)``: creating or writing a file or folder under ``folder`` fails
+    with EROFS, as on a read-only mount (root writes through chmod): a temp file
+    (``tempfile.mkstemp``), a folder (``os.mkdir``), a file opened to write (``open``)."""
+    folders: list[Path] = []
+    real_mkstemp, real_mkdir, real_open = tempfile.mkstemp, os.mkdir, builtins.open
+
+    def refused(path) -> OSError | None:
+        if any(Path(path).resolve().is_relative_to(folder) for folder in folders):
+            return OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return None
+
+    def mkstemp(suffix=None, prefix=None, dir=None, text=False):
+        if dir is not None and (error := refused(Path(dir) / f"{prefix}XXXXXX{suffix}")):
+            raise error
+        return real_mkstemp(suffix, prefix, dir, text)
+
+    def mkdir(path, mode=0o777, *, dir_fd=None):
+        if error := refused(path):
+            raise error
+        return real_mkdir(path, mode, dir_fd=dir_fd)
+
+    def open_(file, mode="r", *args, **kwargs):
+        if isinstance(file, str | Path) and set(mode) & set("wax+") and (
+                error := refused(file)):
+            raise error
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(builtins, "open", open_)
+    return lambda folder: folders.append(folder.resolve())
+
+
+@pytest.mark.parametrize("command, written", [
+    (["evaluate"], "evaluations/best-validation.json"),
+    (["export"], "export/best.pt2"),
+    (["export", "--format", "safetensors", "--out", "{run}/w.safetensors"], "w.safetensors"),
+    (["consolidate"], "export/best.pt"),
+    (["predict", "{tmp}/x.png", "--out", "{run}/p.csv"], "p.csv"),
+])
+def test_a_read_only_run_folder_is_one_line_naming_the_file_and_exit_4(
+        command, written, cifar_run, tmp_path, read_only, capsys):
+    Image.new("RGB", (32, 32)).save(tmp_path / "x.png")
+    before = digests(cifar_run)
+    read_only(cifar_run)
+    name, *args = (arg.format(run=cifar_run, tmp=tmp_path) for arg in command)
+
+    code = main(["cifar", name, str(cifar_run), *args])
+
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 4 and lines == [f"error: {name}: {cifar_run / written}: Read-only file system"]
+    assert digests(cifar_run) == before
+
+
+def with_command(failure: BaseException):
+    def command(recipe, args):
+        raise failure
+
+    return dataclasses.replace(load_recipe("charlm"), commands={"fails": command})
+
+
+def test_a_refused_write_that_reaches_the_command_line_is_exit_4_naming_the_file(capsys):
+    refused = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "out/x.json")
+    assert run_command(with_command(refused), "fails", []) == 4
+    assert capsys.readouterr().err == "error: fails: out/x.json: No space left on device\n"
+
+
+def test_a_closed_stdout_is_left_to_the_command_line_not_called_a_disk_error():
+    with pytest.raises(BrokenPipeError):  # python -m recipes ends it quietly, exit 141
+        run_command(with_command(BrokenPipeError(errno.EPIPE, "Broken pipe")), "fails", [])
+
+
+FULL_DISK_EXPORT = """
+import resource, signal, sys
+from recipes.__main__ import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))  # smaller than the program
+sys.exit(main(["charlm", "export", sys.argv[1], "--out", sys.argv[2]]))
+"""
+
+
+def test_export_on_a_disk_that_refuses_the_program_is_one_line_and_exit_4(charlm_run,
+                                                                         tmp_path):
+    """A real failed write (``ulimit -f``): torch's archive writer, given the file, ended the
+    process with std::terminate (exit 134, a C++ stack) when a write failed."""
+    out = tmp_path / "model.pt2"
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_EXPORT, str(charlm_run), str(out)],
+                          cwd=Path(__file__).resolve().parents[3], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.strip().splitlines() == [f"error: export: {out}: File too large"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_unknown_command_names_the_recipes_commands(capsys):

@@ -3,6 +3,7 @@ import inspect
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from handlers.spike_guard import SpikeGuard
 from recipes.runner.config import (
@@ -15,7 +16,7 @@ from recipes.runner.config import (
     resume_overrides,
     validate,
 )
-from recipes.runner.run_config import RunConfig
+from recipes.runner.run_config import MAX_SEED, RunConfig
 
 
 def _even(value: int) -> str | None:
@@ -160,6 +161,26 @@ def test_validate_names_the_key_and_what_is_allowed(changes, message):
     with pytest.raises(ConfigError) as error:
         validate(dataclasses.replace(Sample(), **changes))
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--run-dir", "runs/a\udcffb"],  # the byte 0xff on a command line, as Python holds it
+     "--run-dir: must be UTF-8 text, got the bytes b'runs/a\\xffb'"),
+    (["--run-name", "a\x00b"], "--run-name: must not hold a NUL byte, got 'a\\x00b'"),
+    (["--seed", "99999999999999999999"],
+     "--seed: must be <= 18446744073709551615, got 99999999999999999999"),
+])
+def test_text_and_seeds_that_the_os_or_torch_would_refuse_are_one_line(argv, message):
+    with pytest.raises(ConfigError) as error:
+        parse_args(RunConfig, argv)
+    assert str(error.value) == message
+
+
+def test_the_largest_seed_is_the_largest_torch_takes():
+    config, _ = parse_args(RunConfig, ["--seed", str(MAX_SEED)])
+    torch.Generator().manual_seed(config.seed)
+    with pytest.raises(ValueError, match="Overflow"):
+        torch.Generator().manual_seed(MAX_SEED + 1)
 
 
 def test_validate_accepts_the_bounds_and_none():

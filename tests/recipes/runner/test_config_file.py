@@ -4,8 +4,11 @@ read back to the same config, and every mistake in a file as one line naming the
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -139,6 +142,22 @@ BAD_FILES = {
     "top level not a table": ("f.json", "[1, 2]",
                               "f.json: the top level must be an object of keys, got a list"),
     "not UTF-8": ("f.toml", b"lr = 0.1 # \xff\n", "--config {dir}/f.toml: not UTF-8 text"),
+    "a NUL byte in a JSON text": ("f.json", '{"run_dir": "runs/a\\u0000b"}',
+                                  "f.json:1: --run-dir: must not hold a NUL byte, got "
+                                  "'runs/a\\x00b'"),
+    "a NUL byte in a TOML text": ("f.toml", 'run_dir = "runs/a\\u0000b"\n',
+                                  "f.toml:1: --run-dir: must not hold a NUL byte"),
+    "a lone surrogate": ("f.json", '{"run_name": "\\ud800"}',
+                         "f.json:1: --run-name: must be UTF-8 text, got '\\ud800'"),
+    "a seed torch refuses": ("f.json", '{"seed": 99999999999999999999}',
+                             "f.json:1: --seed: must be <= 18446744073709551615, got "
+                             "99999999999999999999"),
+    "JSON nested too deeply": ("f.json", '{"lr": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                               "f.json: arrays or tables nested too deeply to read as JSON"),
+    "TOML nested too deeply": ("f.toml", "lr = " + "[" * 100_000 + "]" * 100_000 + "\n",
+                               "f.toml: arrays or tables nested too deeply to read as TOML"),
+    "over 1 MiB": ("f.toml", "#" * 2**20 + "\nlr = 0.1\n",
+                   "--config {dir}/f.toml: larger than 1 MiB, the most a config file may hold"),
     "neither TOML nor JSON": ("f.yaml", "lr: 0.1\n",
                               "--config {dir}/f.yaml: expected a .toml or .json file"),
 }
@@ -171,14 +190,46 @@ def test_a_config_option_without_a_readable_file_is_refused(argv, message, tmp_p
 
 
 def test_an_unreadable_file_names_the_reason(tmp_path, monkeypatch):
-    (tmp_path / "f.toml").write_text("lr = 1\n")
+    path = tmp_path / "f.toml"
+    path.write_text("lr = 1\n")
+    real_open = os.open
 
-    def refuse(self):
-        raise PermissionError(13, "Permission denied")
+    def refuse(file, *args, **kwargs):
+        if Path(file) == path:
+            raise PermissionError(13, "Permission denied")
+        return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", refuse)  # root reads a chmod 000 file anyway
+    monkeypatch.setattr(os, "open", refuse)  # root reads a chmod 000 file anyway
     with pytest.raises(ConfigError, match=r"f.toml: cannot read it \(Permission denied\)$"):
         parse_command_line(CIFAR, ["--config", str(tmp_path / "f.toml")])
+
+
+def test_a_link_to_a_device_is_refused_without_reading_it(tmp_path):
+    # /dev/zero would never end (a MemoryError); /dev/null ends at once, read as no keys.
+    (tmp_path / "null.toml").symlink_to(os.devnull)
+    with pytest.raises(ConfigError) as raised:
+        parse_command_line(CIFAR, ["--config", str(tmp_path / "null.toml")])
+    assert str(raised.value) == (f"--config {tmp_path}/null.toml: not a regular file (a "
+                                 "character device); give a .toml or .json file")
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "f.json"
+    os.mkfifo(fifo)
+    answered = threading.Event()
+
+    def write_if_still_waiting() -> None:  # a read that waits for a writer gets one, late
+        if not answered.wait(5):
+            fifo.write_text('{"lr": 0.5}')
+
+    threading.Thread(target=write_if_still_waiting, daemon=True).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ConfigError, match=r"f.json: not a regular file \(a FIFO\)"):
+            parse_command_line(CIFAR, ["--config", str(fifo)])
+    finally:
+        answered.set()
+    assert time.monotonic() - started < 5
 
 
 @pytest.mark.parametrize("content, fragments", [

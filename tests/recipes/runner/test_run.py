@@ -1,6 +1,7 @@
 """The run layer end to end on tiny data: one writer per run folder, a resume that knows its
 data, ``--describe``, and recipes found by name or path."""
 
+import errno
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import recipes.runner.run as run_module
 from recipes.__main__ import main
 from recipes.runner.lock import RunLock
 from recipes.runner.registry import find_recipes, load_recipe
@@ -193,3 +195,51 @@ def _descendants(pid: int) -> list[int]:
     children = Path(f"/proc/{pid}/task/{pid}/children")
     found = [int(child) for child in children.read_text().split()] if children.exists() else []
     return found + [grandchild for child in found for grandchild in _descendants(child)]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("save_every, refused_by", [
+    ("50", "could not write the run's logs"),  # the flush at the epoch's end, before its save
+    ("3", "{run}/checkpoints/step-00000003.pt: could not save"),  # the checkpoint's snapshot
+])
+def test_a_full_disk_under_metrics_jsonl_is_one_line_and_exit_4(save_every, refused_by,
+                                                                 tmp_path, capsys):
+    """``metrics.jsonl`` is appended at each evaluation, epoch end and checkpoint: a disk
+    that refuses it stops the run with one line, not a traceback of the flush and another
+    of the close."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").symlink_to("/dev/full")  # every write fails with ENOSPC
+
+    code = main([*CHARLM, "--text", str(write_text(tmp_path / "corpus.txt")), "--run-dir",
+                 str(run_dir), "--epochs", "1", "--log-every", "2",
+                 "--checkpoint-every", save_every])
+
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 4 and lines == [
+        f"error: {refused_by.format(run=run_dir)}: [Errno 28] No space left on device: "
+        f"'{run_dir / 'metrics.jsonl'}'"], lines
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"].startswith("stopped: ")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_that_refuses_the_summary_too_is_still_one_line(tmp_path, monkeypatch,
+                                                                     capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").symlink_to("/dev/full")
+    write_json_atomic = run_module.write_json_atomic
+
+    def full_for_the_summary(path: Path, data: dict) -> None:
+        if path.name == "summary.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        write_json_atomic(path, data)
+
+    monkeypatch.setattr(run_module, "write_json_atomic", full_for_the_summary)
+    code = main([*CHARLM, "--text", str(write_text(tmp_path / "corpus.txt")), "--run-dir",
+                 str(run_dir), "--epochs", "1"])
+
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 4 and len(lines) == 1, lines
+    assert lines[0].startswith("error: could not write the run's logs: [Errno 28]")
