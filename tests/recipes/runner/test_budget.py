@@ -7,7 +7,7 @@ import json
 import torch
 
 from recipes.__main__ import main
-from tests.recipes.runner.test_run import CHARLM, one_error_line, write_text
+from tests.helpers import CHARLM, one_error_line, write_text
 
 STEPS = 2 * 19  # 2 epochs of 19 micro-batches of 16 on write_text's 600 words
 
