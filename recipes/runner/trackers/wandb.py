@@ -38,7 +38,12 @@ STATE_FILE = "wandb.json"  # in the run folder: the W&B run that a resume contin
 STEP_METRIC = "optimizer_step"  # the x axis of every scalar
 DEFAULT_MODE = "offline"  # no account or network needed; `wandb sync` uploads later
 MODES = ("offline", "online", "disabled")  # what WANDB_MODE may say here
-INIT_TIMEOUT_S = 30  # an unreachable server costs this, not W&B's default of 90 s
+# The run's status -> W&B's exit code: 255 is what W&B's own client gives a Ctrl-C (W&B
+# shows the run killed: the same command continues it); anything else failed.
+EXIT_CODES = {"completed": 0, "interrupted": 255}
+# W&B's wait for its run to start (default 90 s); online against a closed port W&B still
+# took about a minute to give up, in steps of its own.
+INIT_TIMEOUT_S = 30
 
 
 def check(config: Any, run_dir: Path) -> None:
@@ -160,8 +165,8 @@ class WandbTracker:
 
     def finish(self, status: str, artifacts: Mapping[str, Path]) -> None:
         """Add ``artifacts`` (path in the W&B run -> file; missing files are left out) to the
-        run's files, the run's status to its summary, and end it: exit code 0 for a
-        completed run, 1 otherwise (W&B shows it failed)."""
+        run's files, the run's status to its summary, and end it with the status's exit
+        code (``EXIT_CODES``; 1, failed, for any other)."""
         self.sink.close()
         if self.sink.failed:
             return
@@ -175,7 +180,8 @@ class WandbTracker:
                     link.symlink_to(path.resolve())
                     self.run.save(str(link), base_path=str(files), policy="end")
             self.run.summary["status"] = status
-            self.run.finish(exit_code=0 if status.startswith("completed") else 1)
+            self.run.finish(exit_code=next((code for key, code in EXIT_CODES.items()
+                                            if status.startswith(key)), 1))
             # W&B's own process writes the run file; finish() returns before it is on disk,
             # and the run's process may end at once (os._exit): wait for that process.
             import wandb

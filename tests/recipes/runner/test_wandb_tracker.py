@@ -181,6 +181,29 @@ def test_a_sink_that_fails_warns_once_then_drops_what_it_gets(capsys):
 
 
 @needs_wandb
+@pytest.mark.parametrize(("status", "code"), [
+    ("completed", 0), ("interrupted by SIGINT", 255), ("diverged", 1)])
+def test_finish_ends_the_wandb_run_with_the_status_and_its_exit_code(tmp_path, monkeypatch,
+                                                                    status, code):
+    import wandb
+
+    from recipes.runner.trackers.wandb import WandbTracker
+
+    class Run:
+        dir = str(tmp_path / "files")
+        summary: dict = {}
+
+        def finish(self, exit_code):
+            self.exit_code = exit_code
+
+    monkeypatch.setattr(wandb, "teardown", lambda: None)
+    run = Run()
+    WandbTracker(run, "offline").finish(status, {"curves.png": tmp_path / "missing.png"})
+    assert run.exit_code == code and run.summary == {"status": status}
+    assert not (tmp_path / "files").exists()  # a missing file is left out
+
+
+@needs_wandb
 def test_wandb_mode_set_by_the_user_wins_and_a_bad_one_exits_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offlne")
     write_text(tmp_path / "corpus.txt")
