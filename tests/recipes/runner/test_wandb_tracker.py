@@ -6,7 +6,9 @@ the missing-package test needs W&B (the ``wandb`` extra) and skips without it.""
 
 import importlib.util
 import json
+import os
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +16,13 @@ import pytest
 
 from recipes.__main__ import main
 from tests.recipes.runner.test_mlflow_tracker import scalar_steps, scalar_tags
-from tests.recipes.runner.test_run import CHARLM, digests, one_error_line, write_text
+from tests.recipes.runner.test_run import (
+    CHARLM,
+    RUN_RECIPE,
+    digests,
+    one_error_line,
+    write_text,
+)
 
 needs_wandb = pytest.mark.skipif(
     importlib.util.find_spec("wandb") is None,
@@ -133,6 +141,28 @@ def test_a_resumed_run_continues_the_same_wandb_run_in_the_same_folder(tmp_path)
     assert second["exit_code"] == 0 and not (tmp_path / "run" / "wandb").exists()
     steps = wandb_steps(first["history"] + second["history"], "val/loss")
     assert len(steps) == 2 and steps == scalar_steps(tmp_path / "run", "val/loss")
+
+
+@needs_wandb
+def test_a_run_killed_mid_way_continues_its_wandb_run_each_step_once(tmp_path):
+    args = [*CHARLM, "--text", str(write_text(tmp_path / "corpus.txt", words=1200)),
+            "--run-dir", str(tmp_path / "run"), "--epochs", "1", "--tracker", "wandb",
+            "--log-every", "2", "--checkpoint-every", "10"]
+    killed = subprocess.run([sys.executable, str(RUN_RECIPE), *args], cwd=tmp_path,
+                            env=os.environ | {"RELIABILITY_SIGNAL_AT": "SIGKILL:iteration:25"},
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert killed.returncode == -9, killed.stderr
+    started = json.loads((tmp_path / "run" / "wandb.json").read_text())["run_id"]
+    assert main(args) == 0
+    killed_start, resumed = offline_runs(tmp_path / "run")
+    found = read_run(resumed)
+    assert found["run"].run_id == started and found["exit_code"] == 0
+    # The resumed start logs from its checkpoint (step 20) on, each step once. What the
+    # killed start logged is lost offline: W&B's own process writes the run file in 32 KiB
+    # blocks and died with the run before its first block was full (a limit of W&B's, in
+    # docs/reference.md).
+    assert wandb_steps(found["history"], "train/loss") == [*range(22, 37, 2), 37]
+    assert (killed_start / f"run-{started}.wandb").stat().st_size <= 32768
 
 
 @needs_wandb
