@@ -236,10 +236,13 @@ class RunConfig:
 
     tracker: str = tracking_key("none", "also log the config, every scalar, the best checkpoint "
                                 "and curves.png to an experiment tracker (mlflow: pip install "
-                                "-e '.[mlflow]')", choices=TRACKER_NAMES)
+                                "-e '.[mlflow]'; wandb: pip install -e '.[wandb]', offline "
+                                "unless WANDB_MODE says otherwise)", choices=TRACKER_NAMES)
     tracker_uri: str = tracking_key("", "where the tracker logs (mlflow: a tracking URI or a "
                                     "folder; default: mlruns/ in the working directory, or "
-                                    "the store this run logged to before)")
+                                    "the store this run logged to before; wandb: the folder "
+                                    "W&B writes its wandb/ folder in; default: WANDB_DIR, "
+                                    "or the one this run used before, or the run folder)")
 
     def warmup(self) -> float:
         """Warmup in epochs: ``warmup_epochs`` when given, else the fraction of ``epochs``

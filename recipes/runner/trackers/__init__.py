@@ -1,5 +1,5 @@
 """Experiment trackers: ``--tracker NAME`` picks the module of this package that ``TRACKERS``
-names; another tracker (W&B, ...) is one module more and one line in the table.
+names; another tracker is one module more and one line in the table.
 
 A tracker module has two functions:
 
@@ -23,7 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-TRACKERS = {"mlflow": "recipes.runner.trackers.mlflow"}  # --tracker NAME -> its module
+TRACKERS = {  # --tracker NAME -> its module
+    "mlflow": "recipes.runner.trackers.mlflow",
+    "wandb": "recipes.runner.trackers.wandb",
+}
 TRACKER_NAMES = ("none", *TRACKERS)
 
 
