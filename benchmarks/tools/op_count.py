@@ -152,6 +152,21 @@ def render(counts: dict[str, OpCount]) -> str:
     return table(headers, rows)
 
 
+def render_section(counts: dict[str, OpCount]) -> str:
+    """The report's row: section 2's neighbour, another count that load does not move."""
+    return f"""### Aten ops per training iteration
+
+The CIFAR recipe at its defaults with the handlers a default run attaches (Lookahead
+included), batch {BATCH_SIZE} on synthetic images, CPU, fp32: the aten ops dispatched per
+iteration over iterations {WINDOW.start}-{WINDOW.stop - 1} (one telemetry report, one
+Lookahead average, no epoch boundary), counted by a `TorchDispatchMode` and charged to the
+innermost component on each op's Python stack (`benchmarks/tools/op_count.py`). On a GPU this
+small net's step is bound by the host dispatching these ops. Target: at most
+{MAX_OPS_PER_ITERATION} with the default optimizer (Muon).
+
+{render(counts)}"""
+
+
 def measure() -> dict[str, OpCount]:
     """The default (Muon) and ``--optimizer sgd``."""
     counts = {}

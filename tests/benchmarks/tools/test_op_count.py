@@ -2,6 +2,7 @@
 on a GPU the host's dispatches, not the device, bound this small net's step."""
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -10,10 +11,12 @@ from benchmarks.tools.op_count import (
     COMPONENTS,
     MAX_OPS_PER_ITERATION,
     OTHER,
+    OpCount,
     OpCounter,
     component_of,
     count_recipe_ops,
     default_config,
+    render,
 )
 
 
@@ -33,3 +36,12 @@ def test_counter_charges_each_op_to_its_innermost_component() -> None:
     assert counter.by_op == {"aten.ones": 1, "aten.add": 1}
     assert counter.by_component == {OTHER: 2}
     assert component_of(sys._getframe()) == OTHER
+
+
+def test_the_report_row_gives_each_component_and_the_total_per_iteration() -> None:
+    count = OpCount(2, Counter({"optimizer": 10, "handlers": 4}), Counter())
+    row = render({"muon": count}).splitlines()[2]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[0] == "muon" and cells[-1] == "**7**"
+    assert cells[1 + COMPONENTS.index("optimizer")] == "5"
+    assert cells[1 + COMPONENTS.index("handlers")] == "2"
