@@ -44,7 +44,8 @@ def orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.
 def newton_schulz(stack: torch.Tensor, steps: int, eps: float = 1e-7,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """``orthogonalize`` of each matrix of a ``[k, rows, columns]`` stack (each wide: rows
-    <= columns) at once, in ``out`` if given (not ``stack``). A matrix zero-padded to the
+    <= columns) at once, in ``out`` if given (``stack`` itself too: only the first op reads
+    it). A matrix zero-padded to the
     stack's shape stays zero-padded, its block what it would be alone (to rounding): its
     Gram matrix and every product of the iteration keep the padding's zeros exactly."""
     a, b, c = NS_COEFFICIENTS
@@ -202,13 +203,14 @@ class Muon(torch.optim.Optimizer):
             return
         lr, momentum = group["lr"], group["momentum"]
         grads = [p.grad for p in params]
-        fresh = [p for p in params if "momentum_buffer" not in self.state[p]]
-        if len(fresh) < len(params):
-            kept = [self.state[p]["momentum_buffer"] for p in params if p not in fresh]
-            torch._foreach_mul_(kept, momentum)
-            torch._foreach_add_(kept, [p.grad for p in params if p not in fresh])
-        for p in fresh:
-            self.state[p]["momentum_buffer"] = p.grad.clone()
+        kept = [p for p in params if "momentum_buffer" in self.state[p]]
+        if kept:
+            buffers = [self.state[p]["momentum_buffer"] for p in kept]
+            torch._foreach_mul_(buffers, momentum)
+            torch._foreach_add_(buffers, [p.grad for p in kept])
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:  # a first step: the gradient
+                self.state[p]["momentum_buffer"] = p.grad.clone()
         buffers = [self.state[p]["momentum_buffer"] for p in params]
         if group["nesterov"]:
             updates = torch._foreach_mul(buffers, momentum)

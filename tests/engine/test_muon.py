@@ -371,3 +371,22 @@ def test_sharded_muon_weights_step_as_whole_ones(tmp_path):
         dist.destroy_process_group()
     for got, expected in zip(*runs, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_weight_whose_first_gradient_comes_later_starts_its_momentum_then():
+    """One weight has no gradient at the first step: at the second its buffer starts as its
+    gradient while the other's carries on, as two optimizers of one weight each would do."""
+    weights, alone = muon_weights()[:2], muon_weights()[:2]
+    optimizer = Muon([{"params": weights, "use_muon": True}], lr=0.05, momentum=0.6)
+    singles = [Muon([{"params": [w], "use_muon": True}], lr=0.05, momentum=0.6) for w in alone]
+    for step in range(2):
+        set_grads(weights, step)
+        set_grads(alone, step)
+        if step == 0:
+            weights[1].grad = alone[1].grad = None
+        optimizer.step()
+        for single, weight in zip(singles, alone, strict=True):
+            if weight.grad is not None:
+                single.step()
+    for got, expected in zip(weights, alone, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
