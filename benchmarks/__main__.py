@@ -32,6 +32,7 @@ from benchmarks.sections import (
     s5_gpu,
     s6_image_folder,
 )
+from benchmarks.tools import op_count
 from recipes.cifar.recipe import Config
 
 DOC_OUT = Path("docs/benchmarks.md")
@@ -131,6 +132,9 @@ def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[
             s2_syncs.ignite_stock(tiny_workload(0, SYNC_STEP_ITERATIONS)),
         ]
 
+    log("2/6 aten ops per iteration")
+    ops = op_count.measure()
+
     log("4/6 epoch time (also the data-wait share for section 3)")
     epochs = s4_epoch.measure(plan.epoch_batch, plan.epoch_warmup, plan.epoch_timed,
                               plan.epoch_eval_images, plan.epoch_repeats,
@@ -156,7 +160,7 @@ def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[
                   "normalised by `TrainBatches` before timing, held in memory.")
     sections = [
         s1_overhead.render(tiny, cifar, cifar_note),
-        s2_syncs.render(scenarios),
+        s2_syncs.render(scenarios) + "\n\n" + op_count.render_section(ops),
         s3_data.render(pipelines, epochs.fetch_shares(), threads),
         s4_epoch.render(epochs),
         gpu_report,

@@ -1,10 +1,12 @@
 """Batches for an Ignite ``Engine`` from uint8 images held on the device.
 
-The whole uint8 set moves to the device once; each batch is gathered by index,
-augmented (random crop + horizontal flip as one batched gather), converted to
-float and normalised there: no per-sample Python work and no worker processes.
+The whole uint8 set moves to the device once; each epoch gathers it in the epoch's order
+and augments it (random crop + horizontal flip as one batched gather) there, and each
+batch is a slice of that, converted to float and normalised: no per-sample Python work
+and no worker processes.
 
-Order and augmentation are pure functions of ``(seed, epoch, index)``, as
+Order and augmentation are pure functions of ``(seed, epoch, index)`` (the augmentation
+drawn for the whole epoch from ``(seed, epoch)``, by position in the epoch), as
 ``recipes.common.data_order`` describes: a resumed run skips straight to its batch, and
 ``world_size`` processes together see exactly the batches of one process.
 """
@@ -23,6 +25,8 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+# Images augmented per gather: its int64 index takes 8 bytes a pixel (64 MiB here).
+AUGMENT_CHUNK = 8192
 
 
 def _check_images(images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -53,7 +57,7 @@ class TrainBatches:
 
     ``batch_size`` is the global batch: rank ``r`` of ``world_size`` yields the
     ``r``-th contiguous slice of each global batch (``batch_size / world_size``
-    samples), augmented with parameters drawn for the whole global batch.
+    samples), augmented as drawn for its position in the whole epoch.
     Augmentation: a random crop of the image reflect-padded by ``crop_padding``
     pixels (a random translate by up to that many pixels; 0 disables it) and a
     horizontal flip. ``flip="random"`` flips each image with probability 1/2 in
@@ -148,39 +152,53 @@ class TrainBatches:
         yield from self.epoch_batches(epoch, start)
 
     def epoch_batches(self, epoch: int, start: int = 0) -> Iterator[Batch]:
-        """Batches ``start, start+1, ...`` of epoch ``epoch`` (1-based), this rank's slice."""
+        """Batches ``start, start+1, ...`` of epoch ``epoch`` (1-based), this rank's slice.
+
+        The epoch's images are gathered in its order and augmented all at once before its
+        first batch (as airbench does): a batch is then two slices and the normalisation,
+        a handful of ops instead of a few dozen (on a GPU, each op is a launch the host
+        pays for)."""
         order = epoch_order(len(self.labels), self.seed, epoch, self.device)
+        images = self._augmented(order, epoch) if self.augment else self.images[order]
+        labels = self.labels[order]
         local = self.batch_size // self.world_size
         for index in range(start, len(self)):
-            global_indices = order[index * self.batch_size:(index + 1) * self.batch_size]
-            lo, hi = self.rank * local, (self.rank + 1) * local
-            samples = global_indices[lo:hi]
-            images = self.images[samples]
-            if self.augment:
-                images = self._augment(images, samples, epoch, index, len(global_indices), lo)
-            yield self.normalise(images), self.labels[samples]
+            lo = index * self.batch_size + self.rank * local
+            hi = min(lo + local, len(order))
+            yield self.normalise(images[lo:hi]), labels[lo:hi]
 
-    def _augment(
-        self, images: torch.Tensor, samples: torch.Tensor, epoch: int, index: int,
-        global_size: int, lo: int,
-    ) -> torch.Tensor:
-        """Crop and flip as one gather: output pixel (y, x) of image b reads source pixel
-        (reflect(y + dy_b - p), reflect(x + dx_b - p)), with x mirrored when b flips."""
-        generator = torch.Generator(self.device).manual_seed(mix_seed(self.seed, epoch, index))
-        p, (n, c, h, w) = self.crop_padding, images.shape
-        # Parameters for the whole global batch, so every rank slices the same draw.
-        shifts = torch.randint(0, 2 * p + 1, (global_size, 2), generator=generator,
-                               device=self.device)[lo:lo + n]
+    def _augmented(self, order: torch.Tensor, epoch: int) -> torch.Tensor:
+        """The images in the epoch's order, each cropped and flipped by the draw for its
+        position in the epoch: a pure function of ``(seed, epoch)``, the same on every rank
+        (each slices its batches out of it) and after any resume."""
+        n = len(order)
+        # A seed no batch order uses: epoch_order's is (seed, epoch).
+        generator = torch.Generator(self.device).manual_seed(mix_seed(self.seed, epoch, -1))
+        shifts = torch.randint(0, 2 * self.crop_padding + 1, (n, 2), generator=generator,
+                               device=self.device)
         if self.odd_epoch_flips is None:
-            flips = torch.rand(global_size, generator=generator,
-                               device=self.device)[lo:lo + n] < 0.5
+            flips = torch.rand(n, generator=generator, device=self.device) < 0.5
         else:
-            flips = self.odd_epoch_flips[samples] ^ (epoch % 2 == 0)
-        rows = _reflect(torch.arange(h, device=self.device) + shifts[:, :1] - p, h)  # [n,h]
-        cols = torch.arange(w, device=self.device).expand(n, w)
-        cols = _reflect(torch.where(flips[:, None], cols.flip(1), cols) + shifts[:, 1:] - p, w)
-        source = (rows[:, :, None] * w + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
-        return images.reshape(n, c, h * w).gather(2, source).view(n, c, h, w)
+            flips = self.odd_epoch_flips[order] ^ (epoch % 2 == 0)
+        out = torch.empty_like(self.images)
+        for lo in range(0, n, AUGMENT_CHUNK):  # bounds the gather's int64 index
+            hi = lo + AUGMENT_CHUNK
+            out[lo:hi] = _crop_and_flip(self.images[order[lo:hi]], shifts[lo:hi], flips[lo:hi],
+                                        self.crop_padding)
+        return out
+
+
+def _crop_and_flip(images: torch.Tensor, shifts: torch.Tensor, flips: torch.Tensor,
+                   p: int) -> torch.Tensor:
+    """Crop and flip as one gather: output pixel (y, x) of image b reads source pixel
+    (reflect(y + dy_b - p), reflect(x + dx_b - p)), with x mirrored when b flips."""
+    n, c, h, w = images.shape
+    device = images.device
+    rows = _reflect(torch.arange(h, device=device) + shifts[:, :1] - p, h)  # [n,h]
+    cols = torch.arange(w, device=device).expand(n, w)
+    cols = _reflect(torch.where(flips[:, None], cols.flip(1), cols) + shifts[:, 1:] - p, w)
+    source = (rows[:, :, None] * w + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
+    return images.reshape(n, c, h * w).gather(2, source).view(n, c, h, w)
 
 
 def _reflect(index: torch.Tensor, size: int) -> torch.Tensor:

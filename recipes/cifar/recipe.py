@@ -1,6 +1,6 @@
 """CIFAR-10 image classification (airbench-style net or ResNet-18), data in memory.
 
-The images are uint8 tensors on the device, augmented there in batches (random
+The images are uint8 tensors on the device, augmented there once per epoch (random
 translate, alternating flips); the net is airbench94's, trained with SGD-Nesterov,
 label smoothing and Lookahead averaging, evaluated with test-time augmentation.
 Validation uses the official test split unless ``val_fraction`` holds out part of the

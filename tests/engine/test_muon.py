@@ -206,3 +206,187 @@ def test_orthogonalize_first_scales_the_update_by_its_norm_plus_eps():
 def test_orthogonalize_returns_the_updates_dtype(dtype):
     update = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).to(dtype)
     assert orthogonalize(update, steps=2).dtype == dtype
+
+
+def reference_orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
+    """Muon's Newton-Schulz on one matrix, written out plainly (fp32)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = update.float()
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    x = x / (x.norm() + eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transposed else x
+
+
+def reference_muon_step(weights, buffers, lr, momentum, nesterov, normalize, weight_decay):
+    """One Muon step, weight by weight; ``buffers`` (None at the first step) is updated."""
+    for i, weight in enumerate(weights):
+        grad = weight.grad
+        buffers[i] = grad.clone() if buffers[i] is None else buffers[i] * momentum + grad
+        update = grad + momentum * buffers[i] if nesterov else buffers[i]
+        if normalize:
+            weight.mul_(math.sqrt(weight.shape[0]) / weight.norm())
+        else:
+            weight.mul_(1 - lr * weight_decay)
+        matrix = update.reshape(weight.shape[0], -1)
+        shape_scale = max(1.0, matrix.shape[0] / matrix.shape[1]) ** 0.5
+        weight.sub_(lr * shape_scale * reference_orthogonalize(matrix, 3).view_as(weight))
+
+
+# Same-shape pairs, a tall matrix, conv filters (one channels_last), a vector-wide one.
+SHAPES = [(16, 40), (16, 40), (48, 6), (8, 3, 3, 3), (8, 3, 3, 3), (32, 8, 2, 2), (1, 30)]
+
+
+def muon_weights(seed: int = 0, scale: float = 1.0) -> list[nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    weights = [nn.Parameter(torch.randn(shape, generator=generator) * scale) for shape in SHAPES]
+    weights[4] = nn.Parameter(weights[4].detach().to(memory_format=torch.channels_last))
+    return weights
+
+
+def set_grads(weights: list[nn.Parameter], step: int) -> None:
+    generator = torch.Generator().manual_seed(100 + step)
+    for weight in weights:
+        weight.grad = torch.randn(weight.shape, generator=generator).to(
+            memory_format=torch.channels_last if weight.is_contiguous(
+                memory_format=torch.channels_last) and weight.ndim == 4 else
+            torch.contiguous_format) * 3.0
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "decoupled_decay"])
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
+def test_batched_muon_equals_the_per_matrix_update_to_1e6_relative(normalize, nesterov):
+    """Every weight of every shape is orthogonalised in one padded stack: each step of each
+    weight equals the per-matrix update written out plainly, to 1e-6 of its size. (An LR of
+    1 and small weights: at 0.05 the weight's own fp32 rounding, in both, is 1e-6 of a step.)
+    """
+    lr, momentum, weight_decay = 1.0, 0.6, 0.1
+    weights, reference = muon_weights(scale=1e-2), muon_weights(scale=1e-2)
+    optimizer = Muon([{"params": weights, "use_muon": True, "normalize": normalize}],
+                     lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    buffers = [None] * len(reference)
+    for step in range(3):
+        set_grads(weights, step)
+        set_grads(reference, step)
+        before = [w.detach().clone() for w in weights]
+        optimizer.step()
+        with torch.no_grad():
+            reference_muon_step(reference, buffers, lr, momentum, nesterov, normalize,
+                                weight_decay)
+        for got, expected, start in zip(weights, reference, before, strict=True):
+            delta, expected_delta = got.detach() - start, expected.detach() - start
+            assert (delta - expected_delta).norm() <= 1e-6 * expected_delta.norm()
+            for weight in (got, expected):  # the next step starts from the same weights
+                weight.data.copy_(start + expected_delta)
+        for i, weight in enumerate(weights):  # and the same momentum
+            optimizer.state[weight]["momentum_buffer"].copy_(buffers[i])
+
+
+def test_lr_and_momentum_may_be_0_dim_tensors_read_by_no_host_copy():
+    """A compiled step's schedule holds them as tensors: the step is the same and never
+    copies a value to the host (``aten._local_scalar_dense``, what ``.item()`` runs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NoHostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            assert func is not torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    runs = []
+    for make in (float, torch.tensor):
+        for normalize in (True, False):
+            weights = muon_weights()
+            optimizer = Muon([{"params": weights, "use_muon": True, "normalize": normalize}],
+                             lr=0.05, momentum=0.6, weight_decay=0.1)
+            optimizer.param_groups[0]["lr"] = make(0.05)
+            optimizer.param_groups[0]["momentum"] = make(0.6)
+            for step in range(2):
+                set_grads(weights, step)
+                with NoHostReads():
+                    optimizer.step()
+            runs.append([w.detach() for w in weights])
+    for floats, tensors in zip(runs[:2], runs[2:], strict=True):
+        for got, expected in zip(tensors, floats, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_non_finite_update_leaves_nothing_behind_in_the_stack():
+    """The masked gate puts back weights and momentum after a non-finite step; the next
+    step must not meet the NaN in the padding of the shared stack."""
+    weights, fresh = muon_weights(), muon_weights()
+    optimizer = Muon([{"params": weights, "use_muon": True}], lr=0.05, momentum=0.6)
+    set_grads(weights, 0)
+    optimizer.step()
+    state = {i: (w.detach().clone(), optimizer.state[w]["momentum_buffer"].clone())
+             for i, w in enumerate(weights)}
+    weights[2].grad = torch.full_like(weights[2], float("nan"))  # the tall, padded one
+    optimizer.step()
+    for i, weight in enumerate(weights):  # what MaskedGate restores
+        weight.data.copy_(state[i][0])
+        optimizer.state[weight]["momentum_buffer"].copy_(state[i][1])
+    other = Muon([{"params": fresh, "use_muon": True}], lr=0.05, momentum=0.6)
+    for i, weight in enumerate(fresh):
+        weight.data.copy_(state[i][0])
+        other.state[weight]["momentum_buffer"] = state[i][1].clone()
+    set_grads(weights, 1)
+    set_grads(fresh, 1)
+    optimizer.step()
+    other.step()
+    for got, expected in zip(weights, fresh, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_sharded_muon_weights_step_as_whole_ones(tmp_path):
+    """Under FSDP2 (a one-process gloo group: real DTensors, trivial collectives) the Muon
+    group's weights are orthogonalised whole, one by one: the step equals the unsharded
+    (stacked) one to float tolerance."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 12, bias=False), nn.Linear(12, 4, bias=False))
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        plain, sharded = model(), model()
+        for layer in sharded:
+            fully_shard(layer)
+        runs = []
+        for net in (plain, sharded):
+            optimizer = Muon([{"params": list(net.parameters()), "use_muon": True}],
+                             lr=0.1, momentum=0.6)
+            for x in torch.randn(2, 8, 6, generator=torch.Generator().manual_seed(1)):
+                net(x).square().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            runs.append([p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                         for p in net.parameters()])
+    finally:
+        dist.destroy_process_group()
+    for got, expected in zip(*runs, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_weight_whose_first_gradient_comes_later_starts_its_momentum_then():
+    """One weight has no gradient at the first step: at the second its buffer starts as its
+    gradient while the other's carries on, as two optimizers of one weight each would do."""
+    weights, alone = muon_weights()[:2], muon_weights()[:2]
+    optimizer = Muon([{"params": weights, "use_muon": True}], lr=0.05, momentum=0.6)
+    singles = [Muon([{"params": [w], "use_muon": True}], lr=0.05, momentum=0.6) for w in alone]
+    for step in range(2):
+        set_grads(weights, step)
+        set_grads(alone, step)
+        if step == 0:
+            weights[1].grad = alone[1].grad = None
+        optimizer.step()
+        for single, weight in zip(singles, alone, strict=True):
+            if weight.grad is not None:
+                single.step()
+    for got, expected in zip(weights, alone, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
