@@ -58,7 +58,9 @@ class HostGate:
         self._applied = True
         self._vetoed = False
         self.lr_scale = 1.0  # see step_with_lr_scale
-        self.step = optimizer.step  # --compile puts its compiled update here
+        # --compile puts its compiled update here; None: ``optimizer.step`` looked up at each
+        # call, so the wrapper an LR scheduler puts on it later counts the step.
+        self.step: Callable[[], object] | None = None
 
     def update(
         self, grads: list[torch.Tensor], stepped: list[torch.Tensor], max_grad_norm: float | None,
@@ -81,7 +83,7 @@ class HostGate:
                 if coef < 1.0:
                     torch._foreach_mul_(grads, coef)
             if self.lr_scale == 1.0:
-                self.step()
+                (self.step or self.optimizer.step)()
             else:
                 step_with_lr_scale(self.optimizer, self.lr_scale, self.step)
         return per_gradient, norm_tensor
@@ -122,7 +124,9 @@ class MaskedGate:
         self._saved_state: list[tuple[torch.Tensor, dict | None]] = []
         self._host_snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lr_scale = 1.0  # see step_with_lr_scale
-        self.step = optimizer.step  # --compile puts its compiled update here
+        # --compile puts its compiled update here; None: ``optimizer.step`` looked up at each
+        # call, so the wrapper an LR scheduler puts on it later counts the step.
+        self.step: Callable[[], object] | None = None
 
     @torch.no_grad()
     def update(

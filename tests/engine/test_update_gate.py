@@ -1,6 +1,8 @@
 """Which gate a device gets, the gates on FSDP2-sharded gradients in one process, and the
 masked gate putting back a skipped step of an optimizer that keeps no state."""
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -66,3 +68,21 @@ def test_a_sharded_gradients_norm_is_summed_over_every_ranks_slice(
     assert gate.finite()
     torch.testing.assert_close(per_gradient, local_norms * 2**0.5)
     torch.testing.assert_close(norm, local_norms.norm() * 2**0.5)
+
+
+@pytest.mark.parametrize("gate_class", [HostGate, MaskedGate])
+def test_a_scheduler_made_after_the_gate_counts_its_steps(gate_class):
+    """An LR scheduler wraps ``optimizer.step`` as it is made, usually after the trainer
+    (and its gate): the gate must call that wrapper, or torch warns at every run that the
+    scheduler stepped before the optimizer."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    gate = (HostGate(optimizer) if gate_class is HostGate
+            else MaskedGate(optimizer, torch.device("cpu")))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    weight.grad = torch.ones(3)
+    gate.update([weight.grad], [weight], None)
+    assert getattr(optimizer, "_opt_called", False)  # what the scheduler's wrapper records
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheduler.step()
