@@ -174,8 +174,11 @@ trainer.run([(torch.randn(3, 4), torch.tensor([0, 1, 0]))] * 4, max_epochs=1)
 def test_a_second_ctrl_c_under_pythons_own_handler_ends_in_one_line(tmp_path):
     """Not an 87-line KeyboardInterrupt traceback: one line, and the process ends by SIGINT
     (a shell's 130)."""
+    # SIGINT's default disposition, as under a terminal: a job started in the background
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
     done = subprocess.run([sys.executable, "-c", SECOND_CTRL_C], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                           env=os.environ | {"PYTHONPATH": str(REPO)})
     assert done.returncode == -signal.SIGINT
     assert done.stderr == "SIGINT again: stopping at once\n"

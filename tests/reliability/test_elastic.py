@@ -64,7 +64,7 @@ def test_a_killed_worker_restarts_the_group_which_ends_bit_identical(tmp_path):
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert "exitcode: -9" in killed.stderr  # rank 1 was killed, and torchrun restarted both
     assert "torchrun restart 1: --resume never becomes auto" in killed.stdout
-    assert "resumed from runs/charlm/killed/checkpoints/last.pt (epoch 0, iteration 12, " \
+    assert "resumed from runs/charlm/killed/checkpoints/last.pt (epoch 1, iteration 12, " \
            "step 12)" in killed.stdout, killed.stdout
 
     expected, actual = (read_checkpoint(tmp_path / "runs" / "charlm" / name / "checkpoints"

@@ -201,6 +201,12 @@ def test_make_train_takes_a_stop_by_signal_for_no_error(exit_code, an_error, tmp
     assert bool(error) if an_error else done.stderr == "", done.stderr
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT's default disposition in the child: a job started in the background (``cmd &``,
+    nohup) inherits SIGINT ignored, and make and the run would then never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_under_make_train_saves_the_run_and_make_reports_the_interrupt(tmp_path):
     """Ctrl-C goes to the terminal's whole process group: make as well as the run. The run
     saves and prints its continue line; make, interrupted itself, ends by SIGINT (a shell's
@@ -211,6 +217,7 @@ def test_ctrl_c_under_make_train_saves_the_run_and_make_reports_the_interrupt(tm
     make = subprocess.Popen(["make", "--no-print-directory", "-f", str(REPO / "Makefile"),
                              "train", f"PY={sys.executable}", "STAMP=", "RECIPE=charlm",
                              f"ARGS={args}"], cwd=tmp_path, start_new_session=True,
+                            preexec_fn=_ctrl_c_as_in_a_terminal,
                             env=_outside_make() | {"PYTHONPATH": str(REPO)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
