@@ -7,11 +7,16 @@ import argparse
 import torch
 from torch.export import Dim
 
-from recipes.runner.api import Recipe
-from recipes.runner.commands import CommandParser, positive_int
-from recipes.runner.config import ConfigError
-from recipes.runner.export import Exportable, export_command
-from recipes.runner.trained import Trained, load_trained
+from recipes.runner import (
+    CommandParser,
+    ConfigError,
+    Exportable,
+    Recipe,
+    Trained,
+    export_command,
+    load_trained,
+    positive_int,
+)
 
 VOCABULARY = 256  # bytes
 

@@ -21,10 +21,15 @@ from ignite.engine import Events
 
 from engine import create_evaluator
 from recipes.common.image_files import IMAGE_SUFFIXES, has_image_suffix, read_image
-from recipes.runner.api import Recipe
-from recipes.runner.commands import CommandParser, output_path, positive_int
-from recipes.runner.errors import DataError
-from recipes.runner.trained import Trained, load_trained
+from recipes.runner import (
+    CommandParser,
+    DataError,
+    Recipe,
+    Trained,
+    load_trained,
+    output_path,
+    positive_int,
+)
 
 ImageBatch = Callable[[Trained, list[torch.Tensor]], Any]  # uint8 [3,H,W] images -> a batch
 CHUNK = 64  # images per forward

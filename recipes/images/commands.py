@@ -9,8 +9,7 @@ import torch
 from recipes.common.predict import predict_command
 from recipes.images.config import SMALL_IMAGE_MAX
 from recipes.images.data import eval_transform
-from recipes.runner.export import Exportable, export_command
-from recipes.runner.trained import Trained
+from recipes.runner import Exportable, Trained, export_command
 
 if TYPE_CHECKING:  # the recipe imports this module
     from recipes.images.recipe import ImageData

@@ -18,8 +18,8 @@ from pathlib import Path
 from handlers.checkpoint_files import SingleFile, read_checkpoint
 from handlers.crash_points import CrashPoints
 from recipes.runner.api import Recipe
-from recipes.runner.commands import CommandParser, output_path
-from recipes.runner.trained import find_checkpoint, saved_config
+from recipes.runner.commands.dispatch import CommandParser, output_path
+from recipes.runner.commands.trained import find_checkpoint, saved_config
 
 
 def consolidate(recipe: Recipe, args: list[str]) -> int:

@@ -1,9 +1,9 @@
 """Commands next to training: ``python -m recipes <recipe> <command> <run or checkpoint> ...``.
 
-Every recipe has ``evaluate`` and ``consolidate`` (``recipes.runner.consolidate``); a recipe
-adds its own in ``Recipe.commands`` (every recipe: ``export``, ``recipes.runner.export``; cifar
-and images: ``predict``, charlm: ``generate``). Each loads the trained model through
-``recipes.runner.trained.load_trained`` (``consolidate``: the checkpoint alone) and writes
+Every recipe has ``evaluate`` and ``consolidate`` (``commands.consolidate``); a recipe adds
+its own in ``Recipe.commands`` (every recipe: ``export``, ``commands.export``; cifar and
+images: ``predict``, charlm: ``generate``). Each loads the trained model through
+``recipes.runner.commands.trained.load_trained`` (``consolidate``: the checkpoint alone) and writes
 nothing in the run folder except ``evaluate``'s JSON in ``<run>/evaluations/`` and
 ``export``'s and ``consolidate``'s files in ``<run>/export/``.
 """
@@ -16,15 +16,15 @@ from typing import NoReturn
 
 from engine import create_evaluator
 from recipes.runner.api import Recipe
-from recipes.runner.config import ConfigError
-from recipes.runner.folder import write_json_atomic
-from recipes.runner.trained import CHECKPOINTS, Trained, load_trained
+from recipes.runner.commands.trained import CHECKPOINTS, Trained, load_trained
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.training.folder import write_json_atomic
 
 VALIDATION = "validation"
 
 
 def commands_of(recipe: Recipe) -> dict[str, Callable[[Recipe, list[str]], int]]:
-    from recipes.runner.consolidate import consolidate  # it builds on this module's parser
+    from recipes.runner.commands.consolidate import consolidate  # it builds on this module's parser
 
     return {"evaluate": evaluate, "consolidate": consolidate, **recipe.commands}
 

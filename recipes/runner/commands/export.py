@@ -8,7 +8,7 @@ with ``torch.export.load(path).module()`` and needs torch only. ``safetensors`` 
 the run evaluated (the averaged ones with ``--averaging``) in the pickle-free format any
 framework reads, to load into the recipe's model class. ``onnx`` is that ``pt2`` program
 converted to ONNX, with the same dynamic dimensions, for onnxruntime and other ONNX runtimes;
-it needs the optional ``onnx`` extra (``recipes.runner.export_onnx``). Each is written with
+it needs the optional ``onnx`` extra (``recipes.runner.commands.export_onnx``). Each is written with
 ``<file>.json`` next to it: what rebuilds the model and prepares its input (model name and
 shape keys, class names, normalisation, image size or block size) and the input's shape.
 
@@ -29,10 +29,10 @@ from torch.export import Dim
 
 from handlers.atomic_write import write_atomically
 from recipes.runner.api import Recipe
-from recipes.runner.commands import CommandParser, output_path
-from recipes.runner.export_onnx import largest_onnx_difference, require_onnx, to_onnx
-from recipes.runner.folder import write_json_atomic
-from recipes.runner.trained import Trained, load_trained
+from recipes.runner.commands.dispatch import CommandParser, output_path
+from recipes.runner.commands.export_onnx import largest_onnx_difference, require_onnx, to_onnx
+from recipes.runner.commands.trained import Trained, load_trained
+from recipes.runner.training.folder import write_json_atomic
 
 FORMATS = {"pt2": ".pt2", "safetensors": ".safetensors", "onnx": ".onnx"}
 CHECKED_SAMPLES = 256  # of the first validation batch, run through both the model and its export

@@ -8,7 +8,7 @@ import importlib
 
 import torch
 
-from recipes.runner.config import ConfigError
+from recipes.runner.config.command_line import ConfigError
 
 NEEDED = ("onnx", "onnxscript", "onnxruntime")
 INSTALL = "pip install -e '.[onnx]'"

@@ -21,9 +21,9 @@ import torch
 from handlers import CheckpointError
 from handlers.checkpoint_files import checkpoint_in, is_checkpoint, read_checkpoint
 from recipes.runner.api import Context, Parts, Recipe
-from recipes.runner.config import ConfigError, validate
-from recipes.runner.fingerprint import describe_change
-from recipes.runner.launch import process_device
+from recipes.runner.config.command_line import ConfigError, validate
+from recipes.runner.training.fingerprint import describe_change
+from recipes.runner.training.launch import process_device
 
 CHECKPOINTS = ("best", "last")
 

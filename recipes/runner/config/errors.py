@@ -1,7 +1,7 @@
 """The exceptions that mean "the user must change something": exit 2, one line, no traceback."""
 
 from handlers.checkpoint import CheckpointError
-from recipes.runner.config import ConfigError
+from recipes.runner.config.command_line import ConfigError
 
 
 class DataError(RuntimeError):

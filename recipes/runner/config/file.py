@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recipes.runner.config import (
+from recipes.runner.config.command_line import (
     ConfigError,
     base_type,
     check_value,

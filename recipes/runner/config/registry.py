@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from recipes.runner.config import ConfigError
+from recipes.runner.config.command_line import ConfigError
 
 if TYPE_CHECKING:
     from recipes.runner.api import Recipe
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent
+RECIPES_DIR = Path(__file__).resolve().parents[2]
 _DECLARES_RECIPE = re.compile(r"^RECIPE\s*[:=]", re.MULTILINE)
 _FILE_MODULE_PREFIX = "recipe_file_"
 

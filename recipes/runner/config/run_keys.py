@@ -2,7 +2,7 @@
 
 A recipe's ``Config`` is a dataclass that extends ``RunConfig``; it may give a run key
 another default by declaring it again (``epochs: int = field(10, ...)``), and the key stays
-in its group. Every key is a command-line flag (``recipes.runner.config``).
+in its group. Every key is a command-line flag (``recipes.runner.config.command_line``).
 
 The keys come in groups, declared (and listed by ``--help``) in this order: ``run`` (what
 to train, how long, where), ``schedule`` (the LR over the run), ``precision``,
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from recipes.runner.config import field
-from recipes.runner.trackers import TRACKER_NAMES
+from recipes.runner.config.command_line import field
+from recipes.runner.training.trackers import TRACKER_NAMES
 
 # This module imports no torch: ``python -m recipes`` parses and checks the command line
 # before torch loads (seconds), so a mistyped key is answered at once. The choices that the

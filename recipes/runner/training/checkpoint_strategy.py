@@ -14,8 +14,8 @@ from handlers.checkpoint_files import (
     sidecar_of,
 )
 from handlers.sharded_checkpoint import ShardedFolder
-from recipes.runner.config import ConfigError
-from recipes.runner.launch import RankZeroSave
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.training.launch import RankZeroSave
 
 SUFFIXES = {"ddp": ".pt", "fsdp": ".dcp"}
 

@@ -13,8 +13,8 @@ from engine import resolve_precision
 from handlers.checkpoint_files import checkpoint_in
 from handlers.progress import best_so_far, format_duration
 from recipes.runner.api import Recipe
-from recipes.runner.run_config import RunConfig
-from recipes.runner.standard_handlers import StandardHandlers
+from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.training.standard_handlers import StandardHandlers
 
 TENSORBOARD = "make tensorboard (then open http://127.0.0.1:6006)"
 # The recipe keys that say where the data comes from, when a recipe has them.

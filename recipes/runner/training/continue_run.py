@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from recipes.runner.folder import resolve_run_dir
-from recipes.runner.run_config import RunConfig
+from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.training.folder import resolve_run_dir
 
 # Keys that ask something of this start, or place its output, without changing what is
 # trained: two commands that differ only in these are the same run.

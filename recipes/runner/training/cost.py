@@ -4,8 +4,8 @@ device, and the check of the keys that trade time for memory."""
 from engine import resolve_precision
 from handlers.cost import CostMeter, device_peak_flops
 from recipes.runner.api import Context, Parts, Recipe
-from recipes.runner.config import ConfigError
-from recipes.runner.run_config import RunConfig
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.config.run_keys import RunConfig
 
 
 def check_recipe_keys(recipe: Recipe, config: RunConfig) -> None:

@@ -18,7 +18,7 @@ store: rank 0 of a first start with restarts allowed says so when that is not se
 import os
 import sys
 
-from recipes.runner.run_config import RunConfig
+from recipes.runner.config.run_keys import RunConfig
 
 SHARED_STORE_HINT = (
     "warning: torchrun --max-restarts: a restarted group may fail to join while torchrun "

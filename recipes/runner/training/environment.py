@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 GIT_TIMEOUT_SEC = 5  # a hung git (a network file system) must not hold up the run
 PACKAGES = ("torch", "torchvision", "pytorch-ignite")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.atomic_write import write_atomically
-from recipes.runner.config import ConfigError
+from recipes.runner.config.command_line import ConfigError
 
 
 def resolve_run_dir(recipe: str, run_name: str, run_dir: str) -> Path:

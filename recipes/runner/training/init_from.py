@@ -25,7 +25,7 @@ from handlers.checkpoint_files import (
     read_sidecar,
 )
 from recipes.runner.api import Context, Recipe
-from recipes.runner.config import ConfigError
+from recipes.runner.config.command_line import ConfigError
 
 EXPECTED = ("expected a run folder or one of its checkpoints (a .pt with its .pt.json, or a "
             ".dcp folder with its .dcp.json)")

@@ -27,8 +27,8 @@ from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from engine import resolve_device
 from handlers import CheckpointError
-from recipes.runner.config import ConfigError
-from recipes.runner.errors import USER_ERRORS
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.config.errors import USER_ERRORS
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun for each process
 

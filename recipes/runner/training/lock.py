@@ -22,7 +22,7 @@ import stat
 from pathlib import Path
 from types import TracebackType
 
-from recipes.runner.config import ConfigError
+from recipes.runner.config.command_line import ConfigError
 
 LOCK_NAME = ".lock"
 _HELD: set["RunLock"] = set()  # the locks this process holds, until released

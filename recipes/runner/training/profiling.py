@@ -8,8 +8,8 @@ import torch
 
 from engine import Trainer
 from handlers.profiler import StepProfiler
-from recipes.runner.config import ConfigError
-from recipes.runner.run_config import RunConfig, profile_window
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.config.run_keys import RunConfig, profile_window
 
 TRACES = "profile"  # in the run folder: trace-steps-FIRST-LAST.json.gz
 

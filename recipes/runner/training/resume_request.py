@@ -18,7 +18,7 @@ from handlers.checkpoint_files import (
     claimed_position,
     read_checkpoint,
 )
-from recipes.runner.config import ConfigError
+from recipes.runner.config.command_line import ConfigError
 
 REQUEST_KEYS = ("resume",)  # keys that ask something of one start, not of the run
 

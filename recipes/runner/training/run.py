@@ -39,19 +39,21 @@ from handlers.lr_finder import find_lr, plot_lr_find
 from handlers.lr_scheduling import set_new_peak_lr
 from handlers.spike_guard import LossSpikeError
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
-from recipes.runner.checkpoint_strategy import refuse_other_format
-from recipes.runner.config import ConfigError, resume_overrides
-from recipes.runner.console import print_closing, print_header
-from recipes.runner.continue_run import choose_run, continue_command
-from recipes.runner.cost import check_recipe_keys, cost_meter
-from recipes.runner.curves import plot_curves
-from recipes.runner.elastic import prepare_start
-from recipes.runner.environment import environment_record
-from recipes.runner.errors import USER_ERRORS
-from recipes.runner.fingerprint import describe_change
-from recipes.runner.folder import read_saved_config, resolve_run_dir, write_json_atomic
-from recipes.runner.init_from import applies, load_init_weights, plan_init_from
-from recipes.runner.launch import (
+from recipes.runner.config.command_line import ConfigError, resume_overrides
+from recipes.runner.config.errors import USER_ERRORS
+from recipes.runner.config.registry import load_recipe, recipe_ref
+from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.training.checkpoint_strategy import refuse_other_format
+from recipes.runner.training.console import print_closing, print_header
+from recipes.runner.training.continue_run import choose_run, continue_command
+from recipes.runner.training.cost import check_recipe_keys, cost_meter
+from recipes.runner.training.curves import plot_curves
+from recipes.runner.training.elastic import prepare_start
+from recipes.runner.training.environment import environment_record
+from recipes.runner.training.fingerprint import describe_change
+from recipes.runner.training.folder import read_saved_config, resolve_run_dir, write_json_atomic
+from recipes.runner.training.init_from import applies, load_init_weights, plan_init_from
+from recipes.runner.training.launch import (
     exit_process,
     launched_by_torchrun,
     plan_launch,
@@ -60,17 +62,15 @@ from recipes.runner.launch import (
     share_machine,
     spawn,
 )
-from recipes.runner.lock import RunLock
-from recipes.runner.profiling import attach_profiler, check_profile_window
-from recipes.runner.registry import load_recipe, recipe_ref
-from recipes.runner.resume_request import (
+from recipes.runner.training.lock import RunLock
+from recipes.runner.training.profiling import attach_profiler, check_profile_window
+from recipes.runner.training.resume_request import (
     check_resume_file,
     saved_in_checkpoints,
     stored_config,
     without_requests,
 )
-from recipes.runner.run_config import RunConfig
-from recipes.runner.standard_handlers import (
+from recipes.runner.training.standard_handlers import (
     TRAIN_DATA,
     Evaluation,
     RunSite,
@@ -78,16 +78,16 @@ from recipes.runner.standard_handlers import (
     attach_standard_handlers,
     attach_weight_averaging,
 )
-from recipes.runner.strategy import (
+from recipes.runner.training.strategy import (
     check_strategy,
     distributor,
     evaluate_unsharded,
     is_sharded,
     strategy_line,
 )
-from recipes.runner.trackers import check_tracker
-from recipes.runner.tracking import close_tracker, open_tracker, tracker_sinks
-from recipes.runner.wiring import wiring_table
+from recipes.runner.training.trackers import check_tracker
+from recipes.runner.training.tracking import close_tracker, open_tracker, tracker_sinks
+from recipes.runner.training.wiring import wiring_table
 
 LR_FIND_STEPS = 200  # optimizer steps of the LR range test
 OVERFIT_ITERATIONS = 200  # micro-batches of --overfit-batches

@@ -40,9 +40,9 @@ from handlers.tensorboard import TensorBoardSink
 from handlers.time_left import EvaluationSchedule
 from handlers.weight_averaging import WeightAveraging
 from recipes.runner.api import RunPlan
-from recipes.runner.checkpoint_strategy import checkpoint_format, save_wrapper
-from recipes.runner.config import ConfigError, group_values
-from recipes.runner.run_config import RunConfig
+from recipes.runner.config.command_line import ConfigError, group_values
+from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.training.checkpoint_strategy import checkpoint_format, save_wrapper
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from engine import Precision, resolve_precision
-from recipes.runner.config import ConfigError
+from recipes.runner.config.command_line import ConfigError
 
 if TYPE_CHECKING:
     from recipes.runner.api import Recipe
-    from recipes.runner.run_config import RunConfig
+    from recipes.runner.config.run_keys import RunConfig
 
 Blocks = Callable[[nn.Module], list[nn.Module]]
 

@@ -1,13 +1,13 @@
-"""The run's experiment tracker (``--tracker``, ``recipes.runner.trackers``): opened on rank 0
-before the handlers are built, finished once the summary and curves are written."""
+"""The run's experiment tracker (``--tracker``, ``recipes.runner.training.trackers``): opened
+on rank 0 before the handlers are built, finished once the summary and curves are written."""
 
 from pathlib import Path
 from typing import Any
 
-from recipes.runner.environment import REPO, git_revision
-from recipes.runner.resume_request import stored_config
-from recipes.runner.run_config import RunConfig
-from recipes.runner.trackers import TrackedRun, Tracker, start_tracker
+from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.training.environment import REPO, git_revision
+from recipes.runner.training.resume_request import stored_config
+from recipes.runner.training.trackers import TrackedRun, Tracker, start_tracker
 
 ARTIFACTS = ("checkpoints/best.pt", "curves.png")  # in the run folder and the tracker's run
 

@@ -19,8 +19,8 @@ from PIL import Image
 
 from engine import create_evaluator
 from recipes.__main__ import main
-from recipes.runner.registry import load_recipe
-from recipes.runner.trained import load_trained
+from recipes.runner.commands.trained import load_trained
+from recipes.runner.config.registry import load_recipe
 from tests.recipes.runner.test_run import one_error_line
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 
 from handlers.spike_guard import SpikeGuard
-from recipes.runner.config import (
+from recipes.runner.config.command_line import (
     ConfigError,
     field,
     group_of,
@@ -15,7 +15,7 @@ from recipes.runner.config import (
     resume_overrides,
     validate,
 )
-from recipes.runner.run_config import RunConfig
+from recipes.runner.config.run_keys import RunConfig
 
 
 def _even(value: int) -> str | None:
@@ -299,7 +299,7 @@ def test_the_run_keys_choices_are_those_of_the_engine_and_the_handlers():
     from engine.precision import PRECISIONS
     from handlers.lr_scheduling import SCHEDULER_NAMES
     from handlers.spike_guard import WATCH_CHOICES
-    from recipes.runner import run_config
+    from recipes.runner.config import run_keys as run_config
 
     assert run_config.PRECISIONS == PRECISIONS
     assert run_config.SCHEDULER_NAMES == SCHEDULER_NAMES

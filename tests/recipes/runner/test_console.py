@@ -1,11 +1,11 @@
-"""The run's header lines (``recipes.runner.console.header``)."""
+"""The run's header lines (``recipes.runner.training.console.header``)."""
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from recipes.charlm.recipe import Config
-from recipes.runner.console import header
+from recipes.runner.training.console import header
 
 
 class TinyNet(nn.Module):

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from handlers.checkpoint_files import read_checkpoint
 from recipes.__main__ import main
-from recipes.runner.registry import load_recipe
-from recipes.runner.trained import load_trained
+from recipes.runner.commands.trained import load_trained
+from recipes.runner.config.registry import load_recipe
 from tests.recipes.runner.test_commands import CHARLM, digests, evaluated, recorded
 from tests.recipes.runner.test_run import one_error_line
 

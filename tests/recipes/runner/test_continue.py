@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from recipes.__main__ import main
-from recipes.runner.config import parse_args
-from recipes.runner.continue_run import choose_run, continue_command
-from recipes.runner.lock import RunLock
-from recipes.runner.registry import load_recipe
-from recipes.runner.run import _join_group
+from recipes.runner.config.command_line import parse_args
+from recipes.runner.config.registry import load_recipe
+from recipes.runner.training.continue_run import choose_run, continue_command
+from recipes.runner.training.lock import RunLock
+from recipes.runner.training.run import _join_group
 
 REPO = Path(__file__).resolve().parents[3]
 RUN_RECIPE = REPO / "tests" / "reliability" / "run_recipe.py"  # the command line plus faults

@@ -3,7 +3,7 @@ restarts warns while torchrun shares its store (the whole restart: tests/reliabi
 
 import pytest
 
-from recipes.runner.elastic import SHARED_STORE_HINT, prepare_start
+from recipes.runner.training.elastic import SHARED_STORE_HINT, prepare_start
 from tests.recipes.runner.test_continue import charlm_config
 
 

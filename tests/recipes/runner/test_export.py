@@ -22,8 +22,8 @@ from recipes.__main__ import main
 from recipes.charlm.model import GPT
 from recipes.cifar.model import build_model
 from recipes.images.recipe import build_classifier
-from recipes.runner.registry import load_recipe
-from recipes.runner.trained import load_trained
+from recipes.runner.commands.trained import load_trained
+from recipes.runner.config.registry import load_recipe
 
 # The tiny runs' fixtures are used by name, through request.getfixturevalue.
 from tests.recipes.runner.test_commands import (  # noqa: F401

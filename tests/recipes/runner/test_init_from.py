@@ -11,7 +11,7 @@ import torch
 from handlers.checkpoint_files import read_sidecar
 from recipes.__main__ import main
 from recipes.cifar.recipe import RECIPE as CIFAR
-from recipes.runner.run import build_parts
+from recipes.runner.training.run import build_parts
 from tests.recipes.runner.test_run import CHARLM, digests, one_error_line, write_text
 
 CIFAR_TINY = ["cifar", "--dataset", "synthetic", "--train-subset", "128", "--val-subset", "32",

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from recipes.runner.config import ConfigError
-from recipes.runner.lock import LOCK_NAME, RunLock
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.training.lock import LOCK_NAME, RunLock
 
 REPO = Path(__file__).resolve().parents[3]
 HOLD_SCRIPT = """
 import sys, time
-from recipes.runner.lock import RunLock
+from recipes.runner.training.lock import RunLock
 lock = RunLock(sys.argv[1])
 lock.acquire()
 print("locked", flush=True)
@@ -24,8 +24,8 @@ time.sleep(60)
 
 
 def try_from_another_process(run_dir: Path) -> subprocess.CompletedProcess:
-    script = ("import sys\nfrom recipes.runner.lock import RunLock\n"
-              "from recipes.runner.config import ConfigError\n"
+    script = ("import sys\nfrom recipes.runner.training.lock import RunLock\n"
+              "from recipes.runner.config.command_line import ConfigError\n"
               "try:\n    RunLock(sys.argv[1]).acquire()\n"
               "except ConfigError as error:\n    print(error)\n    sys.exit(2)\n")
     return subprocess.run([sys.executable, "-c", script, str(run_dir)], cwd=REPO,
@@ -89,7 +89,7 @@ def test_a_holder_killed_with_sigkill_leaves_no_stale_lock(tmp_path, holder):
 
 FORKING_HOLDER = """
 import os, sys, time
-from recipes.runner.lock import RunLock
+from recipes.runner.training.lock import RunLock
 RunLock(sys.argv[1]).acquire()
 child = os.fork()  # as a DataLoader forks its workers
 if child == 0:

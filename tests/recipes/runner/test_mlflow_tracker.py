@@ -68,7 +68,7 @@ def scalar_steps(run_dir, tag):
 @needs_mlflow
 def test_the_mlflow_run_holds_the_config_tags_scalars_and_artifacts(tmp_path, monkeypatch,
                                                                     capsys):
-    from recipes.runner.trackers.mlflow import metric_key
+    from recipes.runner.training.trackers.mlflow import metric_key
 
     monkeypatch.chdir(tmp_path)  # the default store: mlruns/ beside runs/
     assert train(tmp_path, "--epochs", "1") == 0
@@ -101,7 +101,7 @@ def test_the_mlflow_run_holds_the_config_tags_scalars_and_artifacts(tmp_path, mo
     ("databricks", ""),
 ])
 def test_the_closing_line_names_the_store_and_how_to_browse_it(uri, browse):
-    from recipes.runner.trackers.mlflow import MlflowTracker
+    from recipes.runner.training.trackers.mlflow import MlflowTracker
 
     class Client:
         tracking_uri = uri
@@ -189,7 +189,7 @@ def test_an_unknown_tracker_is_refused_with_the_known_ones(tmp_path, capsys):
 def test_the_sink_sends_what_it_holds_in_one_batch_at_each_flush(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
-    from recipes.runner.trackers.mlflow import MlflowSink
+    from recipes.runner.training.trackers.mlflow import MlflowSink
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(tracking_uri=(tmp_path / "store").as_uri())
@@ -215,7 +215,7 @@ def test_the_sink_sends_what_it_holds_in_one_batch_at_each_flush(tmp_path, monke
 
 @needs_mlflow
 def test_a_sink_whose_server_fails_warns_once_then_drops_what_it_gets(capsys):
-    from recipes.runner.trackers.mlflow import MlflowSink
+    from recipes.runner.training.trackers.mlflow import MlflowSink
 
     class DownServer:
         tracking_uri = "http://tracking.invalid"

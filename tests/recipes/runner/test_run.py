@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from recipes.__main__ import main
-from recipes.runner.lock import RunLock
-from recipes.runner.registry import find_recipes, load_recipe
+from recipes.runner.config.registry import find_recipes, load_recipe
+from recipes.runner.training.lock import RunLock
 
 REPO = Path(__file__).resolve().parents[3]
 RUN_RECIPE = REPO / "tests" / "reliability" / "run_recipe.py"  # the command line plus faults

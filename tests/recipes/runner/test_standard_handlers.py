@@ -4,7 +4,7 @@ import pytest
 from ignite.engine import Engine, Events
 
 from recipes.__main__ import main
-from recipes.runner.standard_handlers import METRICS_FILE, Evaluation
+from recipes.runner.training.standard_handlers import METRICS_FILE, Evaluation
 from tests.recipes.runner.test_run import CHARLM, write_text
 
 

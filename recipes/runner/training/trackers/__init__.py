@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-TRACKERS = {"mlflow": "recipes.runner.trackers.mlflow"}  # --tracker NAME -> its module
+TRACKERS = {"mlflow": "recipes.runner.training.trackers.mlflow"}  # --tracker NAME -> its module
 TRACKER_NAMES = ("none", *TRACKERS)
 
 

@@ -34,9 +34,9 @@ from typing import Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from recipes.runner.config import ConfigError
-from recipes.runner.folder import write_json_atomic
-from recipes.runner.trackers import TrackedRun
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.training.folder import write_json_atomic
+from recipes.runner.training.trackers import TrackedRun
 
 DEFAULT_STORE = "mlruns"  # in the working directory, beside runs/
 STATE_FILE = "mlflow.json"  # in the run folder: the MLflow run that a resume continues
