@@ -20,6 +20,7 @@ from handlers.crash_points import CrashPoints
 from recipes.runner.api import Recipe
 from recipes.runner.commands.dispatch import CommandParser, output_path
 from recipes.runner.commands.trained import find_checkpoint, saved_config
+from recipes.runner.console import say
 
 
 def consolidate(recipe: Recipe, args: list[str]) -> int:
@@ -39,7 +40,7 @@ def consolidate(recipe: Recipe, args: list[str]) -> int:
     meta = {key: value for key, value in payload["meta"].items() if key != "config"}
     SingleFile().write(out, payload, meta, file_mode=0o640, crash=CrashPoints())
     tensors = sum(1 for value in payload["model"].values() if hasattr(value, "shape"))
-    print(f"consolidated {recipe.name} {path} (epoch {meta['epoch']}, step "
+    say(f"consolidated {recipe.name} {path} (epoch {meta['epoch']}, step "
           f"{meta['optimizer_step']}): {tensors} model tensors")
-    print(f"wrote {out} and {out.name}.json")
+    say(f"wrote {out} and {out.name}.json")
     return 0

@@ -18,6 +18,7 @@ from engine import create_evaluator
 from recipes.runner.api import Recipe
 from recipes.runner.commands.trained import CHECKPOINTS, Trained, load_trained
 from recipes.runner.config.command_line import ConfigError
+from recipes.runner.console import say
 from recipes.runner.training.folder import write_json_atomic
 
 VALIDATION = "validation"
@@ -88,13 +89,13 @@ def evaluate(recipe: Recipe, args: list[str]) -> int:
     meta, recorded = trained.meta, trained.recorded if options.split == VALIDATION else {}
     samples = recipe.sample_counts(trained.data)[1]
     evaluation = evaluation_name(trained)
-    print(f"{recipe.name} {trained.checkpoint} (epoch {meta['epoch']}, step "
+    say(f"{recipe.name} {trained.checkpoint} (epoch {meta['epoch']}, step "
           f"{meta['optimizer_step']}): {options.split} split, {samples} samples, "
           f"{evaluation}, {trained.device}, {seconds:.1f} s")
-    print(f"{'metric':<12} {'value':>10} {'recorded':>10}")
+    say(f"{'metric':<12} {'value':>10} {'recorded':>10}")
     for name, value in metrics.items():
         was = recorded.get(name)
-        print(f"{name:<12} {value:>10.4f} {'' if was is None else f'{was:.4f}':>10}")
+        say(f"{name:<12} {value:>10.4f} {'' if was is None else f'{was:.4f}':>10}")
     out = trained.run_dir / "evaluations" / f"{trained.checkpoint.stem}-{options.split}.json"
     out.parent.mkdir(exist_ok=True)
     write_json_atomic(out, {
@@ -103,7 +104,7 @@ def evaluate(recipe: Recipe, args: list[str]) -> int:
         "epoch": meta["epoch"], "iteration": meta["iteration"],
         "optimizer_step": meta["optimizer_step"], "metrics": metrics,
         "recorded": recorded or None, "seconds": round(seconds, 3)})
-    print(f"wrote {out}")
+    say(f"wrote {out}")
     return 0
 
 

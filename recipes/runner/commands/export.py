@@ -32,6 +32,7 @@ from recipes.runner.api import Recipe
 from recipes.runner.commands.dispatch import CommandParser, output_path
 from recipes.runner.commands.export_onnx import largest_onnx_difference, require_onnx, to_onnx
 from recipes.runner.commands.trained import Trained, load_trained
+from recipes.runner.console import say
 from recipes.runner.training.folder import write_json_atomic
 
 FORMATS = {"pt2": ".pt2", "safetensors": ".safetensors", "onnx": ".onnx"}
@@ -94,7 +95,7 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
                                             inputs[:CHECKED_SAMPLES])
             write_atomically(out, lambda file: save_program(program, file))
             facts["input"] = input_description(inputs, dims)
-            print(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
+            say(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
                   f"{facts['optimizer_step']}) with torch.export on {trained.device}: largest "
                   f"|difference| from the model on {min(len(inputs), CHECKED_SAMPLES)} "
                   f"validation samples {difference:.1e}")
@@ -105,7 +106,7 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
                                                  inputs[:CHECKED_SAMPLES])
             write_atomically(out, lambda file: file.write(onnx_model))
             facts["input"] = input_description(inputs, dims)
-            print(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
+            say(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
                   f"{facts['optimizer_step']}) as ONNX on {trained.device}: largest |difference| "
                   f"under onnxruntime from the model on {min(len(inputs), CHECKED_SAMPLES)} "
                   f"validation samples {difference:.1e}")
@@ -113,11 +114,11 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
             tensors = weights(trained.parts.model)
             write_atomically(out, lambda file: file.write(safetensors.torch.save(tensors)))
             facts["input"] = input_description(inputs, exportable.dynamic(trained))
-            print(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
+            say(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
                   f"{facts['optimizer_step']}) as safetensors: {len(tensors)} tensors, "
                   f"{sum(t.numel() for t in tensors.values()):,} values")
         write_json_atomic(json_path(out), facts)
-        print(f"wrote {out} and {json_path(out).name}")
+        say(f"wrote {out} and {json_path(out).name}")
         return 0
 
     return export

@@ -11,7 +11,6 @@ Nothing is written anywhere.
 
 import dataclasses
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from handlers import CheckpointError
 from handlers.checkpoint_files import checkpoint_in, is_checkpoint, read_checkpoint
 from recipes.runner.api import Context, Parts, Recipe
 from recipes.runner.config.command_line import ConfigError, validate
+from recipes.runner.console import warn
 from recipes.runner.training.fingerprint import describe_change
 from recipes.runner.training.launch import process_device
 
@@ -155,5 +155,5 @@ def _note_data_change(saved: dict[str, Any], now: dict[str, Any]) -> None:
                if split in saved]
     change = "; ".join(line for line in changes if line)
     if change:
-        print(f"note: the data changed since the run ({change}): its recorded metrics may "
-              "not reproduce", file=sys.stderr)
+        warn(f"note: the data changed since the run ({change}): its recorded metrics may "
+              "not reproduce")

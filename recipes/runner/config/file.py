@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import re
-import sys
 import textwrap
 import tomllib
 import typing
@@ -40,6 +39,7 @@ from recipes.runner.config.command_line import (
     parse_args,
     unknown_key,
 )
+from recipes.runner.console import warn
 
 # What a run folder's config.json holds besides its keys: they describe that run.
 RUN_RECORD = ("run_id", "data", "environment", "init_from")
@@ -88,8 +88,8 @@ def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
     table = _parse(path, text)
     keys, ignored = _keys_of(table, config_cls)
     if ignored and os.environ.get("RANK", "0") == "0":  # once under torchrun
-        print(f"note: {path} is a run folder's config.json: ignoring {', '.join(ignored)} "
-              "(they describe that run; this one gets its own)", file=sys.stderr)
+        warn(f"note: {path} is a run folder's config.json: ignoring {', '.join(ignored)} "
+              "(they describe that run; this one gets its own)")
     fields = {spec.name: spec for spec in dataclasses.fields(config_cls)}
     hints = typing.get_type_hints(config_cls)
     values: dict[str, Any] = {}

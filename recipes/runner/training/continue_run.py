@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.console import say
 from recipes.runner.training.folder import resolve_run_dir
 
 # Keys that ask something of this start, or place its output, without changing what is
@@ -44,7 +45,7 @@ def choose_run(recipe: str, best: str, config: RunConfig, given: set[str]) -> st
             if config.resume == "auto" else None
         if report is not None:
             return report
-        print(f"continuing {run_dir} (the newest run of this command; --resume never starts "
+        say(f"continuing {run_dir} (the newest run of this command; --resume never starts "
               "a new one)")
     config.run_dir = str(run_dir)
     return None

@@ -16,9 +16,9 @@ store: rank 0 of a first start with restarts allowed says so when that is not se
 """
 
 import os
-import sys
 
 from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.console import say, warn
 
 SHARED_STORE_HINT = (
     "warning: torchrun --max-restarts: a restarted group may fail to join while torchrun "
@@ -38,10 +38,10 @@ def prepare_start(config: RunConfig) -> None:
     count, rank = restart_count(), int(os.environ["RANK"])
     if count and config.resume != "auto":
         if rank == 0:
-            print(f"torchrun restart {count}: --resume {config.resume} becomes auto "
+            say(f"torchrun restart {count}: --resume {config.resume} becomes auto "
                   "(the newest good checkpoint of the run)")
         config.resume = "auto"
     restarts_allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if rank == 0 and count == 0 and restarts_allowed and shared:
-        print(SHARED_STORE_HINT, file=sys.stderr, flush=True)
+        warn(SHARED_STORE_HINT, flush=True)

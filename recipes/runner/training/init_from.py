@@ -26,6 +26,7 @@ from handlers.checkpoint_files import (
 )
 from recipes.runner.api import Context, Recipe
 from recipes.runner.config.command_line import ConfigError
+from recipes.runner.console import say
 
 EXPECTED = ("expected a run folder or one of its checkpoints (a .pt with its .pt.json, or a "
             ".dcp folder with its .dcp.json)")
@@ -127,7 +128,7 @@ def plan_init_from(recipe: Recipe, config: Any, given: set[str], run_dir: Path, 
         if "init_from" in given and config.init_from:
             source = (f"--resume {config.resume}" if config.resume not in ("auto", "never")
                       else f"the checkpoints of {run_dir}, which already started")
-            print(f"--init-from ignored: this run resumes from {source}")
+            say(f"--init-from ignored: this run resumes from {source}")
         return (saved or {}).get("init_from")
     init = read_init_weights(config.init_from)
     python_state = random.getstate()

@@ -29,6 +29,7 @@ from engine import resolve_device
 from handlers import CheckpointError
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.config.errors import USER_ERRORS
+from recipes.runner.console import warn
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun for each process
 
@@ -122,12 +123,12 @@ def spawn(fn: Callable[..., int], *args: Any, nproc: int, backend: str) -> int:
         with idist.Parallel(backend=backend, nproc_per_node=nproc, master_port=port) as parallel:
             parallel.run(_process_main, fn, args)
     except ProcessRaisedException as failure:
-        print(f"error: process {failure.error_index} failed:{failure.msg}", file=sys.stderr)
+        warn(f"error: process {failure.error_index} failed:{failure.msg}")
         return 1
     except ProcessExitedException as failure:
         if failure.signal_name is None:
             return failure.exit_code  # the process printed its own error
-        print(f"error: {failure}", file=sys.stderr)
+        warn(f"error: {failure}")
         return 128 - failure.exit_code  # killed by a signal: exit_code is minus its number
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -138,7 +139,7 @@ def _process_main(local_rank: int, fn: Callable[..., int], args: tuple[Any, ...]
     try:
         exit_code = fn(local_rank, *args)
     except USER_ERRORS as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        warn(f"error: {error}", flush=True)
         exit_code = 2
     idist.finalize()  # what Ignite does once this function returns
     exit_process(exit_code)

@@ -14,6 +14,7 @@ from handlers.checkpoint_files import checkpoint_in
 from handlers.progress import best_so_far, format_duration
 from recipes.runner.api import Recipe
 from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.console import say
 from recipes.runner.training.standard_handlers import StandardHandlers
 
 TENSORBOARD = "make tensorboard (then open http://127.0.0.1:6006)"
@@ -24,13 +25,13 @@ DATA_KEYS = ("dataset", "data_dir", "text")
 def print_header(recipe: Recipe, config: RunConfig, run_dir: Path, data: Any,
                  model: nn.Module) -> None:
     source = recipe.data_source(config) if recipe.data_source is not None else None
-    print("\n".join(header(recipe.name, config, run_dir, recipe.sample_counts(data), model,
+    say("\n".join(header(recipe.name, config, run_dir, recipe.sample_counts(data), model,
                            source)), flush=True)
 
 
 def print_closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
                   handlers: StandardHandlers) -> None:
-    print("\n".join(closing(recipe_name, summary, run_dir, handlers)), flush=True)
+    say("\n".join(closing(recipe_name, summary, run_dir, handlers)), flush=True)
 
 
 def header(recipe_name: str, config: RunConfig, run_dir: Path, samples: tuple[int, int],

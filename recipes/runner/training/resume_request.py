@@ -19,6 +19,7 @@ from handlers.checkpoint_files import (
     read_checkpoint,
 )
 from recipes.runner.config.command_line import ConfigError
+from recipes.runner.console import say
 
 REQUEST_KEYS = ("resume",)  # keys that ask something of one start, not of the run
 
@@ -51,7 +52,7 @@ def saved_in_checkpoints(checkpoints: Path) -> dict[str, Any] | None:
             continue
         config = dict(meta.get("config") or {})
         data = config.pop("data", None)
-        print(f"config.json is missing: the run id and config come from {path}")
+        say(f"config.json is missing: the run id and config come from {path}")
         return {"run_id": meta["run_id"], "config": config,
                 **({"data": data} if data is not None else {})}
     return None

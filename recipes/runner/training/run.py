@@ -13,7 +13,6 @@ import itertools
 import json
 import math
 import random
-import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -43,8 +42,8 @@ from recipes.runner.config.command_line import ConfigError, resume_overrides
 from recipes.runner.config.errors import USER_ERRORS
 from recipes.runner.config.registry import load_recipe, recipe_ref
 from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.console import say, warn
 from recipes.runner.training.checkpoint_strategy import refuse_other_format
-from recipes.runner.training.console import print_closing, print_header
 from recipes.runner.training.continue_run import choose_run, continue_command
 from recipes.runner.training.cost import check_recipe_keys, cost_meter
 from recipes.runner.training.curves import plot_curves
@@ -64,6 +63,7 @@ from recipes.runner.training.launch import (
 )
 from recipes.runner.training.lock import RunLock
 from recipes.runner.training.profiling import attach_profiler, check_profile_window
+from recipes.runner.training.report import print_closing, print_header
 from recipes.runner.training.resume_request import (
     check_resume_file,
     saved_in_checkpoints,
@@ -116,7 +116,7 @@ def run(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
         exit_process(exit_code)
     finished = choose_run(recipe.name, recipe.best, config, given)
     if finished is not None:
-        print(finished)
+        say(finished)
         return 0
     with _locked_setup(recipe, config, given) as started:
         if config.nproc == 1:
@@ -126,7 +126,7 @@ def run(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
                               started.run_dir, started.run_id, started.fingerprint,
                               nproc=config.nproc, backend=_launch(config).backend)
     if exit_code in STOP_EXIT_CODES.values():  # stopped by a signal once its step was saved
-        print(f"stopped; to continue this run: {continue_command()}")
+        say(f"stopped; to continue this run: {continue_command()}")
     return exit_code
 
 
@@ -196,7 +196,7 @@ def setup(recipe: Recipe, config: RunConfig, given: set[str], lock: RunLock | No
     fingerprint = recipe.fingerprint(data)
     overrides += _data_change(saved, fingerprint, config.allow_data_change)
     for line in overrides:
-        print(line)
+        say(line)
     init_from = plan_init_from(recipe, config, given, run_dir, data, saved)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -253,14 +253,14 @@ def _join_group(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
         raise ConfigError(started["error"])
     if "complete" in started:
         if idist.get_rank() == 0:
-            print(started["complete"])
+            say(started["complete"])
         return 0
     try:
         exit_code = train_process(idist.get_local_rank(), recipe_ref(recipe), started["config"],
                                   Path(started["run_dir"]), started["run_id"], started["data"])
         if exit_code in STOP_EXIT_CODES.values():  # rank 0's: the others return 0
             # sys.orig_argv here is this worker's, not the torchrun command that started it
-            print("stopped; to continue this run, run the same torchrun command again "
+            say("stopped; to continue this run, run the same torchrun command again "
                   f"(or add --run-dir {started['run_dir']})")
         return exit_code
     finally:
@@ -345,15 +345,15 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     if rank == 0:
         print_header(recipe, config, started.run_dir, started.data, parts.model)
         if config.strategy == "fsdp":
-            print(strategy_line(resolve_precision(config.precision, config.device), world))
+            say(strategy_line(resolve_precision(config.precision, config.device), world))
     info = handlers.checkpointer.resume(config.resume) if rank == 0 else None
     if world > 1:  # rank 0 picked the file (and cleared stale temp files); all load that one
         chosen = idist.broadcast(str(info.path) if info is not None else "never", src=0)
         info = handlers.checkpointer.resume(chosen) if rank > 0 else info
     if info is not None and rank == 0:
         for name, reason in info.rejected:
-            print(f"skipped checkpoint {name}: {reason}", file=sys.stderr)
-        print(f"resumed from {info.path} (epoch {trainer.state.epoch}, "
+            warn(f"skipped checkpoint {name}: {reason}")
+        say(f"resumed from {info.path} (epoch {trainer.state.epoch}, "
               f"iteration {trainer.state.iteration}, step {trainer.state.optimizer_step})")
     epoch_length = len(parts.train_batches)
     early_stopping = handlers.early_stopping
@@ -363,7 +363,7 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
         trainer.state.iteration >= config.epochs * epoch_length
         or bool(early_stopping and early_stopping.stopped_early))
     if finished and rank == 0:
-        print("the run is already complete: nothing left to train")
+        say("the run is already complete: nothing left to train")
         handlers.end_again(trainer)
     if info is not None and not finished:
         _follow_new_lr_and_length(config, info.meta.get("config") or {}, trainer, handlers,
@@ -377,11 +377,11 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     except (NonFiniteGradientError, LossSpikeError) as error:  # every rank, the same step
         status, exit_code = f"stopped: {error}", 3
         if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
+            warn(f"error: {error}")
     except CheckpointError as error:  # a save failed (disk full, permission, read-only folder)
         status, exit_code = f"stopped: {error}", 4  # not a usage error: 2 is for those
         if rank == 0:  # every rank raises it (RankZeroSave); rank 0 has the cause
-            print(f"error: {error}", file=sys.stderr)
+            warn(f"error: {error}")
     finally:
         handlers.stop.restore()
         if handlers.logger is not None:  # flushes what an exception left unwritten
@@ -430,8 +430,8 @@ def _write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
         plot_curves(history, started.run_dir / "curves.png",
                     title=f"{recipe.name} {started.run_dir.name}")
     except OSError as error:
-        print(f"error: could not write the summary or curves in {started.run_dir}: "
-              f"{error.strerror or error}", file=sys.stderr)
+        warn(f"error: could not write the summary or curves in {started.run_dir}: "
+              f"{error.strerror or error}")
         return 4
     return 0
 
@@ -451,10 +451,10 @@ def find_lr_run(recipe: Recipe, config: RunConfig) -> int:
         # Whole epochs, one after another: each iteration starts the next epoch's order.
         result = find_lr(trainer, (batch for _ in range(epochs) for batch in batches),
                          num_steps=LR_FIND_STEPS)
-        print(result.summary())
+        say(result.summary())
         if result.suggestion is not None:
-            print(f"suggested peak lr: {result.suggestion:.3g} (--lr {result.suggestion:.3g})")
-        print(f"wrote {plot_lr_find(result, run_dir / 'lr_find.png')}")
+            say(f"suggested peak lr: {result.suggestion:.3g} (--lr {result.suggestion:.3g})")
+        say(f"wrote {plot_lr_find(result, run_dir / 'lr_find.png')}")
     return 0
 
 
@@ -474,7 +474,7 @@ def overfit_run(recipe: Recipe, config: RunConfig) -> int:
     trainer.run(fixed, max_epochs=max(1, math.ceil(OVERFIT_ITERATIONS / len(fixed))))
     first, last = losses[0], sum(losses[-len(fixed):]) / len(fixed)
     reached = last <= OVERFIT_TARGET * first
-    print(f"overfit {len(fixed)} batch(es) for {len(losses)} iterations at lr {config.lr}: "
+    say(f"overfit {len(fixed)} batch(es) for {len(losses)} iterations at lr {config.lr}: "
           f"loss {first:.4f} -> {last:.4f} ({last / first:.1%} of the first); near zero "
           f"(<= {OVERFIT_TARGET:.0%}): {'yes' if reached else 'no'}"
           + ("" if reached else " (a loss with a floor, e.g. label smoothing, never is)"))

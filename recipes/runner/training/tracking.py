@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.console import say
 from recipes.runner.training.environment import REPO, git_revision
 from recipes.runner.training.resume_request import stored_config
 from recipes.runner.training.trackers import TrackedRun, Tracker, start_tracker
@@ -34,4 +35,4 @@ def close_tracker(tracker: Tracker | None, status: str, run_dir: Path) -> None:
         tracker.finish(status, {name: run_dir / name for name in ARTIFACTS})
         line = tracker.closing_line()
         if line:
-            print(line, flush=True)
+            say(line, flush=True)

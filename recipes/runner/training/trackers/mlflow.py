@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import shlex
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from recipes.runner.config.command_line import ConfigError
+from recipes.runner.console import warn
 from recipes.runner.training.folder import write_json_atomic
 from recipes.runner.training.trackers import TrackedRun
 
@@ -261,4 +261,4 @@ def _one_line(error: Exception) -> str:
 
 
 def _warn(message: str) -> None:
-    print(f"warning: MLflow: {message}", file=sys.stderr, flush=True)
+    warn(f"warning: MLflow: {message}", flush=True)
