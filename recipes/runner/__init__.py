@@ -29,7 +29,7 @@ _MODULE_OF = {
     "recipe_keys": "config.registry",
     "DataError": "config.errors", "USER_ERRORS": "config.errors",
     # the run
-    "run": "training.run", "describe_run": "training.run", "find_lr_run": "training.run",
+    "run": "training.run", "describe_run": "training.modes", "find_lr_run": "training.modes",
     "fingerprint_arrays": "training.fingerprint", "fingerprint_files": "training.fingerprint",
     "write_json_atomic": "training.folder",
     "first_mismatch": "training.init_from",

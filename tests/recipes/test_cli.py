@@ -26,7 +26,7 @@ from recipes.__main__ import main
 from recipes.cifar.model import build_model
 from recipes.cifar.recipe import Config
 from recipes.common.paths import SHARED_DATA
-from recipes.runner.training import run
+from recipes.runner.training import summary
 from recipes.runner.training.resume_request import REQUEST_KEYS
 
 pytestmark = pytest.mark.filterwarnings(  # torchvision 0.29 deprecates its JPEG codecs
@@ -432,14 +432,14 @@ def test_resume_never_into_a_folder_with_checkpoints_exits_2(tiny_run, capsys):
 def test_a_summary_the_disk_refuses_is_one_error_line_and_exit_4(tmp_path, monkeypatch,
                                                                   capsys):
     monkeypatch.chdir(tmp_path)
-    write_json_atomic = run.write_json_atomic
+    write_json_atomic = summary.write_json_atomic
 
     def disk_full_for_the_summary(path: Path, data: dict) -> None:
         if path.name == "summary.json":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         write_json_atomic(path, data)
 
-    monkeypatch.setattr(run, "write_json_atomic", disk_full_for_the_summary)
+    monkeypatch.setattr(summary, "write_json_atomic", disk_full_for_the_summary)
     code = main(["cifar", *RESUMABLE, "--run-name", "full"])
     err = capsys.readouterr().err
     assert code == 4

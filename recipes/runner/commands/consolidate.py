@@ -41,6 +41,6 @@ def consolidate(recipe: Recipe, args: list[str]) -> int:
     SingleFile().write(out, payload, meta, file_mode=0o640, crash=CrashPoints())
     tensors = sum(1 for value in payload["model"].values() if hasattr(value, "shape"))
     say(f"consolidated {recipe.name} {path} (epoch {meta['epoch']}, step "
-          f"{meta['optimizer_step']}): {tensors} model tensors")
+        f"{meta['optimizer_step']}): {tensors} model tensors")
     say(f"wrote {out} and {out.name}.json")
     return 0

@@ -90,8 +90,8 @@ def evaluate(recipe: Recipe, args: list[str]) -> int:
     samples = recipe.sample_counts(trained.data)[1]
     evaluation = evaluation_name(trained)
     say(f"{recipe.name} {trained.checkpoint} (epoch {meta['epoch']}, step "
-          f"{meta['optimizer_step']}): {options.split} split, {samples} samples, "
-          f"{evaluation}, {trained.device}, {seconds:.1f} s")
+        f"{meta['optimizer_step']}): {options.split} split, {samples} samples, "
+        f"{evaluation}, {trained.device}, {seconds:.1f} s")
     say(f"{'metric':<12} {'value':>10} {'recorded':>10}")
     for name, value in metrics.items():
         was = recorded.get(name)

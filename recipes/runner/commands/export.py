@@ -96,9 +96,9 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
             write_atomically(out, lambda file: save_program(program, file))
             facts["input"] = input_description(inputs, dims)
             say(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
-                  f"{facts['optimizer_step']}) with torch.export on {trained.device}: largest "
-                  f"|difference| from the model on {min(len(inputs), CHECKED_SAMPLES)} "
-                  f"validation samples {difference:.1e}")
+                f"{facts['optimizer_step']}) with torch.export on {trained.device}: largest "
+                f"|difference| from the model on {min(len(inputs), CHECKED_SAMPLES)} "
+                f"validation samples {difference:.1e}")
         elif options.format == "onnx":
             dims = exportable.dynamic(trained)
             onnx_model = to_onnx(export_program(trained.parts.model, inputs, dims))
@@ -107,16 +107,16 @@ def export_command(exportable: Exportable) -> Callable[[Recipe, list[str]], int]
             write_atomically(out, lambda file: file.write(onnx_model))
             facts["input"] = input_description(inputs, dims)
             say(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
-                  f"{facts['optimizer_step']}) as ONNX on {trained.device}: largest |difference| "
-                  f"under onnxruntime from the model on {min(len(inputs), CHECKED_SAMPLES)} "
-                  f"validation samples {difference:.1e}")
+                f"{facts['optimizer_step']}) as ONNX on {trained.device}: largest |difference| "
+                f"under onnxruntime from the model on {min(len(inputs), CHECKED_SAMPLES)} "
+                f"validation samples {difference:.1e}")
         else:
             tensors = weights(trained.parts.model)
             write_atomically(out, lambda file: file.write(safetensors.torch.save(tensors)))
             facts["input"] = input_description(inputs, exportable.dynamic(trained))
             say(f"exported {recipe.name} {trained.checkpoint} (epoch {facts['epoch']}, step "
-                  f"{facts['optimizer_step']}) as safetensors: {len(tensors)} tensors, "
-                  f"{sum(t.numel() for t in tensors.values()):,} values")
+                f"{facts['optimizer_step']}) as safetensors: {len(tensors)} tensors, "
+                f"{sum(t.numel() for t in tensors.values()):,} values")
         write_json_atomic(json_path(out), facts)
         say(f"wrote {out} and {json_path(out).name}")
         return 0

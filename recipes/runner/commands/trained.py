@@ -156,4 +156,4 @@ def _note_data_change(saved: dict[str, Any], now: dict[str, Any]) -> None:
     change = "; ".join(line for line in changes if line)
     if change:
         warn(f"note: the data changed since the run ({change}): its recorded metrics may "
-              "not reproduce")
+             "not reproduce")

@@ -89,7 +89,7 @@ def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
     keys, ignored = _keys_of(table, config_cls)
     if ignored and os.environ.get("RANK", "0") == "0":  # once under torchrun
         warn(f"note: {path} is a run folder's config.json: ignoring {', '.join(ignored)} "
-              "(they describe that run; this one gets its own)")
+             "(they describe that run; this one gets its own)")
     fields = {spec.name: spec for spec in dataclasses.fields(config_cls)}
     hints = typing.get_type_hints(config_cls)
     values: dict[str, Any] = {}

@@ -1,4 +1,5 @@
-"""Which run a command means: the same command again continues its run, or says it is done.
+"""Which run a command means, found on disk: the same command again continues its run, or says
+it is done (``resume_plan.py`` decides which; these functions find the folders).
 
 A command with ``--run-name`` or ``--run-dir`` names its folder (the run layer resumes it,
 or says there is nothing left to train). Without either, the run folder is the newest
@@ -21,34 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from recipes.runner.config.run_keys import RunConfig
-from recipes.runner.console import say
 from recipes.runner.training.folder import resolve_run_dir
 
 # Keys that ask something of this start, or place its output, without changing what is
 # trained: two commands that differ only in these are the same run.
 RUN_REQUESTS = ("resume", "progress", "allow_data_change", "run_dir")
 TIMESTAMP = re.compile(r"(\d{8}-\d{6})(?:-(\d+))?")  # a default run folder; -N on a clash
-
-
-def choose_run(recipe: str, best: str, config: RunConfig, given: set[str]) -> str | None:
-    """Settle the run folder of a command that names none: ``config.run_dir`` is set to it,
-    so every later step (and every process) uses the same folder. Returns the report of a
-    finished run, which ends the command, else None."""
-    if config.run_dir or config.run_name or given & {"run_dir", "run_name"}:
-        return None  # the folder is named: resuming it is the run layer's usual path
-    run_dir = None if config.resume == "never" else _newest_same_run(recipe, config)
-    if run_dir is None:
-        run_dir = _new_timestamp_folder(recipe)
-    else:
-        report = _report_if_complete(run_dir, best, "--resume never (a new timestamped "
-                                     "folder) or a --run-name") \
-            if config.resume == "auto" else None
-        if report is not None:
-            return report
-        say(f"continuing {run_dir} (the newest run of this command; --resume never starts "
-              "a new one)")
-    config.run_dir = str(run_dir)
-    return None
 
 
 def continue_command() -> str:
@@ -79,7 +58,7 @@ def _saved_config(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def _newest_same_run(recipe: str, config: RunConfig) -> Path | None:
+def newest_same_run(recipe: str, config: RunConfig) -> Path | None:
     """The newest timestamped folder of ``recipe`` started with the same keys, if any."""
     root = resolve_run_dir(recipe, "unused", "").parent
     folders = [path for path in root.iterdir() if TIMESTAMP.fullmatch(path.name)] \
@@ -98,7 +77,7 @@ def _age(folder: Path) -> tuple[str, int]:
     return stamp, int(clash or 1)
 
 
-def _new_timestamp_folder(recipe: str) -> Path:
+def new_timestamp_folder(recipe: str) -> Path:
     """``runs/<recipe>/<timestamp>``, with ``-2``, ``-3`` ... when a run started in the
     same second already has it."""
     first = resolve_run_dir(recipe, "", "")
@@ -109,7 +88,7 @@ def _new_timestamp_folder(recipe: str) -> Path:
     return candidate
 
 
-def _report_if_complete(run_dir: Path, best: str, train_again: str) -> str | None:
+def report_if_complete(run_dir: Path, best: str, train_again: str) -> str | None:
     """Two lines on a run whose summary says it completed (where, its best metric, how to
     train again), else None."""
     try:

@@ -6,7 +6,7 @@ already continues its run (the run folder is chosen as for a second start by han
 lock died with the processes that held it, ``--resume auto`` loads the newest good
 checkpoint); what the first start's ``--resume`` asked (``never``: a new run; a file: that
 checkpoint) would start the run over or go back to an older step, so a restart resumes
-``auto`` whatever ``--resume`` says.
+``auto`` whatever ``--resume`` says (``resume_plan.py`` decides it from ``restart_count``).
 
 torch 2.14.1's agent shares one TCP store with every start of the workers by default, and a
 restarted group can then fail to join (gloo's ``connectFullMesh``: "Connection refused") or
@@ -17,8 +17,7 @@ store: rank 0 of a first start with restarts allowed says so when that is not se
 
 import os
 
-from recipes.runner.config.run_keys import RunConfig
-from recipes.runner.console import say, warn
+from recipes.runner.console import warn
 
 SHARED_STORE_HINT = (
     "warning: torchrun --max-restarts: a restarted group may fail to join while torchrun "
@@ -32,15 +31,10 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def prepare_start(config: RunConfig) -> None:
-    """Under torchrun, before the group joins: a restarted group resumes ``auto``; rank 0 of
-    a first start that allows restarts warns when they may fail to join."""
+def warn_if_store_shared() -> None:
+    """Under torchrun, before the group joins: rank 0 of a first start that allows restarts
+    warns when they may fail to join. (That a restart resumes ``auto`` is ``resume_plan``'s.)"""
     count, rank = restart_count(), int(os.environ["RANK"])
-    if count and config.resume != "auto":
-        if rank == 0:
-            say(f"torchrun restart {count}: --resume {config.resume} becomes auto "
-                  "(the newest good checkpoint of the run)")
-        config.resume = "auto"
     restarts_allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if rank == 0 and count == 0 and restarts_allowed and shared:

@@ -3,9 +3,9 @@
 Only the model's weights are taken: the optimizer, step, schedule, data position and RNG
 start as in any fresh run. The source is a checkpoint file or a run folder (its
 ``checkpoints/best.pt``, else ``last.pt``), verified as a resume verifies it (sidecar,
-sha256, ``weights_only``). It applies to a fresh run only: once the run folder holds a
-committed checkpoint, the run resumes from it and ``--init-from`` is ignored. The run
-records where its weights came from in ``config.json`` (``init_from``).
+sha256, ``weights_only``). It applies to a fresh run only (``resume_plan.py`` decides): once
+the run folder holds a committed checkpoint, the run resumes from it and ``--init-from`` is
+ignored. The run records where its weights came from in ``config.json`` (``init_from``).
 """
 
 import random
@@ -26,7 +26,7 @@ from handlers.checkpoint_files import (
 )
 from recipes.runner.api import Context, Recipe
 from recipes.runner.config.command_line import ConfigError
-from recipes.runner.console import say
+from recipes.runner.training.resume_plan import ResumePlan
 
 EXPECTED = ("expected a run folder or one of its checkpoints (a .pt with its .pt.json, or a "
             ".dcp folder with its .dcp.json)")
@@ -38,21 +38,6 @@ class InitWeights:
 
     weights: dict[str, torch.Tensor]
     record: dict[str, Any]
-
-
-def run_has_started(run_dir: Path) -> bool:
-    """True when the run folder holds a committed checkpoint (``last.pt``, ``last.dcp`` or a
-    sidecar), the ones a resume would load: a first save killed before its sidecar leaves
-    none."""
-    folder = run_dir / "checkpoints"
-    return checkpoint_in(folder, "last") is not None or any(folder.glob("*.json"))
-
-
-def applies(config: Any, run_dir: Path) -> bool:
-    """Whether this start takes ``--init-from``: given, and the run is fresh (no committed
-    checkpoint in its folder and no ``--resume <file>``)."""
-    return bool(config.init_from) and config.resume in ("auto", "never") \
-        and not run_has_started(run_dir)
 
 
 def resolve_checkpoint(source: str) -> Path:
@@ -119,21 +104,19 @@ def load_init_weights(model: nn.Module, source: str) -> InitWeights:
     return init
 
 
-def plan_init_from(recipe: Recipe, config: Any, given: set[str], run_dir: Path, data: Any,
-                   saved: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The ``init_from`` record for ``config.json``. On a fresh run the weights are verified
-    and checked against the recipe's model, built here on the CPU (before anything is
-    written; the random state is left as it was); a resumed run keeps its saved record."""
-    if not applies(config, run_dir):
-        if "init_from" in given and config.init_from:
-            source = (f"--resume {config.resume}" if config.resume not in ("auto", "never")
-                      else f"the checkpoints of {run_dir}, which already started")
-            say(f"--init-from ignored: this run resumes from {source}")
-        return (saved or {}).get("init_from")
-    init = read_init_weights(config.init_from)
+def plan_init_from(recipe: Recipe, config: Any, plan: ResumePlan, data: Any
+                   ) -> dict[str, Any] | None:
+    """The ``init_from`` record for ``config.json``. When the plan starts a fresh run from
+    ``--init-from``, the weights are verified and checked against the recipe's model, built
+    here on the CPU (before anything is written; the random state is left as it was); else
+    the run keeps its saved record."""
+    if not plan.init_from:
+        return (plan.saved or {}).get("init_from")
+    init = read_init_weights(plan.init_from)
     python_state = random.getstate()
     with torch.random.fork_rng(devices=[]):
-        model = recipe.build(config, data, Context(torch.device("cpu"), 0, 1, run_dir)).model
+        cpu = Context(torch.device("cpu"), 0, 1, plan.run_dir)
+        model = recipe.build(config, data, cpu).model
     random.setstate(python_state)
     check_fits(init, model.state_dict())
     return init.record

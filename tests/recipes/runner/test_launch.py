@@ -33,7 +33,8 @@ from recipes.cifar.batches import EvalBatches
 from recipes.cifar.model import TTA_PREDICTS
 from recipes.runner.config.errors import DataError
 from recipes.runner.training.launch import process_device, rank_zero_exit_code, share_machine, spawn
-from recipes.runner.training.run import Started, train
+from recipes.runner.training.start_checks import Started
+from recipes.runner.training.train import train
 
 REPO = Path(__file__).resolve().parents[3]
 _BUILT: list[nn.Module] = []  # the tiny nets built in this process, newest last
