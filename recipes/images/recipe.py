@@ -8,7 +8,7 @@ torchvision classification model by name, untrained with a CIFAR-style stem for 
 images or from torchvision's pretrained weights with a new head (``--weights``), trained
 with SGD-Nesterov and label smoothing. A run killed mid-epoch resumes exactly, with any
 number of workers (``recipes.images.data``). The run itself (folder, resume, handlers,
-processes) is ``recipes.runner.training.run``'s.
+processes) is the run layer's (``recipes.runner``).
 """
 
 from dataclasses import dataclass
