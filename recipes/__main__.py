@@ -7,7 +7,7 @@ is checked before torch loads), or the path of such a file. ``--help`` lists the
 writing anything; ``--lr-find`` runs an LR range test on the run's data and step and
 suggests a peak ``--lr``. ``--config FILE`` reads keys from a TOML or JSON file (the
 command line's override them); ``--print-config`` prints the resolved config as TOML
-(``recipes.runner.config_file``).
+(``recipes.runner.config.file``).
 
 User mistakes (a bad key or value, missing data, no usable checkpoint) end with
 one ``error:`` line and exit code 2, before anything is written to disk.
@@ -26,9 +26,15 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from recipes.runner.config import ConfigError, help_text
-from recipes.runner.config_file import config_toml, parse_command_line
-from recipes.runner.registry import find_recipes, load_recipe, recipe_keys
+from recipes.runner import (
+    ConfigError,
+    config_toml,
+    find_recipes,
+    help_text,
+    load_recipe,
+    parse_command_line,
+    recipe_keys,
+)
 
 # A process that a closed pipe stops (`... --help | head -1`) exits as if SIGPIPE had
 # killed it: 128 + 13.
@@ -85,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _with_torch(action: Callable[..., int], *args: Any) -> int:
     """``action(*args)``, with exit code 2 and one line for what it refuses as the user's
     mistake. Torch loads from here on."""
-    from recipes.runner.errors import USER_ERRORS
+    from recipes.runner import USER_ERRORS
 
     try:
         return action(*args)
@@ -94,13 +100,13 @@ def _with_torch(action: Callable[..., int], *args: Any) -> int:
 
 
 def _run_command(name: str, rest: list[str]) -> int:
-    from recipes.runner.commands import run_command
+    from recipes.runner import run_command
 
     return run_command(load_recipe(name), rest[0], rest[1:])
 
 
 def _train(name: str, config: Any, given: set[str], commands: set[str]) -> int:
-    from recipes.runner.run import describe_run, find_lr_run, run
+    from recipes.runner import describe_run, find_lr_run, run
 
     recipe = load_recipe(name)
     if "--describe" in commands:

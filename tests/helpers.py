@@ -15,12 +15,13 @@ import ignite.distributed as idist
 import torch
 import torch.distributed as dist
 from ignite.engine import Events
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from engine import create_evaluator
 from recipes.__main__ import main
-from recipes.runner.config import parse_args
-from recipes.runner.registry import load_recipe
-from recipes.runner.trained import load_trained
+from recipes.runner.commands.trained import load_trained
+from recipes.runner.config.command_line import parse_args
+from recipes.runner.config.registry import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_RECIPE = REPO / "tests" / "reliability" / "run_recipe.py"  # the command line plus faults
@@ -174,3 +175,17 @@ class RunsCodeWhenUnpickled:
 
     def __reduce__(self):
         return os.mkdir, (self.marker,)
+
+
+def scalar_tags(run_dir: Path) -> list[str]:
+    """Every scalar tag TensorBoard holds."""
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return events.Tags()["scalars"]
+
+
+def scalar_steps(run_dir: Path, tag: str) -> list[int]:
+    """The steps TensorBoard holds for ``tag``."""
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return sorted(event.step for event in events.Scalars(tag))

@@ -27,8 +27,8 @@ from ignite.metrics import Accuracy
 from engine import Trainer, create_evaluator, new_run_id
 from recipes.cifar.recipe import Config
 from recipes.runner.api import RunPlan
-from recipes.runner.standard_handlers import Evaluation, RunSite, attach_standard_handlers
-from recipes.runner.tracking import open_tracker, tracker_sinks
+from recipes.runner.training.standard_handlers import Evaluation, RunSite, attach_standard_handlers
+from recipes.runner.training.tracking import open_tracker, tracker_sinks
 
 
 class RecipeHandlers:

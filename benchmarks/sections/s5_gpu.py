@@ -32,7 +32,7 @@ from recipes.__main__ import main as recipes_main
 from recipes.cifar.data import CifarArrays, load_cifar10
 from recipes.cifar.recipe import Config
 from recipes.common.paths import SHARED_DATA
-from recipes.runner.config import parse_args
+from recipes.runner.config.command_line import parse_args
 
 SHARED_CIFAR = SHARED_DATA / "cifar10"  # the real data set, where this machine has it
 BATCH_SIZES = (256, 1024)

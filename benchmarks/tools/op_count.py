@@ -4,11 +4,11 @@ handlers a default run attaches: ``python -m benchmarks.tools.op_count``.
 On a GPU this small net's step is bound by the host, which dispatches one op in about
 30 µs; the number of ops the host dispatches per iteration is the same on the CPU, so it is
 counted here, with a ``TorchDispatchMode``, on any machine and whatever its load. The run is
-the recipe's own (``recipes.runner.run.build_run``: model, Muon, trainer, standard handlers,
-Lookahead), at batch 8 on synthetic images so that it takes seconds: the count does not
-depend on the batch size. The window is ten iterations inside an epoch after Lookahead has
-started: it holds one telemetry report and one Lookahead average (at least their share in a
-default run) and no epoch boundary, evaluation or checkpoint save.
+the recipe's own (``recipes.runner.training.build.build_run``: model, Muon, trainer,
+standard handlers, Lookahead), at batch 8 on synthetic images so that it takes seconds: the
+count does not depend on the batch size. The window is ten iterations inside an epoch after
+Lookahead has started: it holds one telemetry report and one Lookahead average (at least
+their share in a default run) and no epoch boundary, evaluation or checkpoint save.
 
 Each op is charged to a component by the innermost frame of its Python stack that tells
 (``component_of``); backward ops run from ``loss.backward()`` and count as backward.
@@ -127,7 +127,8 @@ def _counting_window(trainer, window: range) -> Iterator[OpCounter]:
 
 def count_recipe_ops(config: Config, window: range = WINDOW) -> OpCount:
     """Ops of ``window``'s iterations of a run of the CIFAR recipe with ``config``."""
-    from recipes.runner.run import Started, build_run
+    from recipes.runner.training.build import build_run
+    from recipes.runner.training.start_checks import Started
 
     run_dir = Path(config.run_dir)
     started = Started(run_dir, "op-count", {}, RECIPE.load_data(config))

@@ -7,11 +7,18 @@ import argparse
 import torch
 from torch.export import Dim
 
-from recipes.runner.api import Recipe
-from recipes.runner.command_parser import CommandParser, positive_int, seed_int, utf8_text
-from recipes.runner.config import ConfigError
-from recipes.runner.export import Exportable, export_command
-from recipes.runner.trained import Trained, load_trained
+from recipes.runner import (
+    CommandParser,
+    ConfigError,
+    Exportable,
+    Recipe,
+    Trained,
+    export_command,
+    load_trained,
+    positive_int,
+    seed_int,
+    utf8_text,
+)
 
 VOCABULARY = 256  # bytes
 

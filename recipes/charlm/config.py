@@ -4,8 +4,7 @@ torch loads (no torch here)."""
 from dataclasses import dataclass
 
 from recipes.common.optimizer_choice import OptimizerChoice
-from recipes.runner.config import field
-from recipes.runner.run_config import RunConfig
+from recipes.runner import RunConfig, field
 
 STDLIB = "stdlib"  # --text: the standard library's own .py files
 

@@ -25,10 +25,7 @@ from recipes.charlm.model import GPT
 from recipes.charlm.text import cap, split_text
 from recipes.common.data_order import IndexBatches, OrderedBatches
 from recipes.common.optimizers import build_optimizer
-from recipes.runner.api import Context, Parts, Recipe
-from recipes.runner.config import ConfigError
-from recipes.runner.errors import DataError
-from recipes.runner.strategy import is_sharded
+from recipes.runner import ConfigError, Context, DataError, Parts, Recipe, is_sharded
 
 SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200  # the text generated at the end
 

@@ -9,8 +9,7 @@ from torchvision.transforms import v2
 from recipes.cifar.batches import CIFAR10_MEAN, CIFAR10_STD, EvalBatches
 from recipes.cifar.data import IMAGE_SHAPE, CifarArrays
 from recipes.common.predict import predict_command
-from recipes.runner.export import Exportable, export_command
-from recipes.runner.trained import Trained
+from recipes.runner import Exportable, Trained, export_command
 
 
 def image_batch(trained: Trained, images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,7 @@ The names of the models and of the test-time augmentations are those of
 from dataclasses import dataclass
 
 from recipes.common.optimizer_choice import OptimizerChoice
-from recipes.runner.config import field
-from recipes.runner.run_config import RunConfig
+from recipes.runner import RunConfig, field
 
 MODEL_NAMES = ("airbench", "resnet18")
 TTA_NAMES = ("none", "mirror", "mirror_translate")

@@ -4,7 +4,8 @@ The images are uint8 tensors on the device, augmented there once per epoch (rand
 translate, alternating flips); the net is airbench94's, trained with SGD-Nesterov,
 label smoothing and Lookahead averaging, evaluated with test-time augmentation.
 Validation uses the official test split unless ``val_fraction`` holds out part of the
-training set. The run itself (folder, resume, handlers, processes) is ``recipes.runner.run``'s.
+training set. The run itself (folder, resume, handlers, processes) is the run layer's
+(``recipes.runner``).
 """
 
 from dataclasses import replace
@@ -22,9 +23,7 @@ from recipes.cifar.data import CifarArrays, holdout_validation, load_cifar10, ma
 from recipes.cifar.model import TTA_FORWARDS, TTAPredict, build_model, stages
 from recipes.common.optimizers import build_optimizer
 from recipes.common.paths import default_data_dir
-from recipes.runner.api import Context, Parts, Recipe, RunPlan
-from recipes.runner.config import ConfigError
-from recipes.runner.fingerprint import fingerprint_arrays
+from recipes.runner import ConfigError, Context, Parts, Recipe, RunPlan, fingerprint_arrays
 
 SYNTHETIC_SIZES = (10_000, 2_000)  # train, test samples when no subset is given
 # Lookahead as airbench94 tuned it, in samples rather than steps so that it means the same

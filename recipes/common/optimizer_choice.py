@@ -4,7 +4,7 @@ command line is checked before torch loads."""
 
 from dataclasses import dataclass
 
-from recipes.runner.config import field
+from recipes.runner import field
 
 
 @dataclass

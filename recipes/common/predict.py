@@ -23,10 +23,16 @@ from ignite.engine import Events
 from engine import create_evaluator
 from handlers.atomic_write import write_atomically
 from recipes.common.image_files import IMAGE_SUFFIXES, has_image_suffix, read_image
-from recipes.runner.api import Recipe
-from recipes.runner.command_parser import CommandParser, output_path, positive_int, writing
-from recipes.runner.errors import DataError
-from recipes.runner.trained import Trained, load_trained
+from recipes.runner import (
+    CommandParser,
+    DataError,
+    Recipe,
+    Trained,
+    load_trained,
+    output_path,
+    positive_int,
+    writing,
+)
 
 ImageBatch = Callable[[Trained, list[torch.Tensor]], Any]  # uint8 [3,H,W] images -> a batch
 CHUNK = 64  # images per forward

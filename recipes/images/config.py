@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.common.optimizer_choice import OptimizerChoice
-from recipes.runner.config import field
-from recipes.runner.run_config import RunConfig
+from recipes.runner import RunConfig, field
 
 MAX_AUTO_SIZE = 224  # --image-size by default: the first image's shorter side, at most this
 SMALL_IMAGE_MAX = 64  # up to this side: pad-and-crop augmentation and a CIFAR-style stem

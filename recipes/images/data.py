@@ -31,7 +31,7 @@ from handlers.arguments import check_int
 from recipes.common.data_order import check_rank, epoch_order, mix_seed
 from recipes.common.image_files import IMAGE_SUFFIXES, class_names, list_class_folder, read_image
 from recipes.images.config import SMALL_IMAGE_MAX
-from recipes.runner.errors import DataError
+from recipes.runner import DataError
 
 VAL_SPLITS = ("val", "test")  # the first of these that exists is the validation split
 EVAL_CROP_FRACTION = 0.875  # large images: resize to side / 0.875, then centre-crop the side

@@ -16,8 +16,7 @@ import torch
 import torchvision
 from torch import nn
 
-from recipes.runner.config import ConfigError
-from recipes.runner.init_from import first_mismatch
+from recipes.runner import ConfigError, first_mismatch
 
 NO_WEIGHTS = "none"
 DEFAULT = "DEFAULT"

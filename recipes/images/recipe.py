@@ -8,7 +8,7 @@ torchvision classification model by name, untrained with a CIFAR-style stem for 
 images or from torchvision's pretrained weights with a new head (``--weights``), trained
 with SGD-Nesterov and label smoothing. A run killed mid-epoch resumes exactly, with any
 number of workers (``recipes.images.data``). The run itself (folder, resume, handlers,
-processes) is ``recipes.runner.run``'s.
+processes) is the run layer's (``recipes.runner``).
 """
 
 from pathlib import Path
@@ -42,9 +42,7 @@ from recipes.images.data import (
     train_transform,
 )
 from recipes.images.pretrained import pretrained_classifier, read_pretrained, weights_file
-from recipes.runner.api import Context, Parts, Recipe
-from recipes.runner.errors import DataError
-from recipes.runner.fingerprint import fingerprint_files
+from recipes.runner import Context, DataError, Parts, Recipe, fingerprint_files
 
 
 def data_folder(config: Config) -> Path:

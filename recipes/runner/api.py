@@ -13,16 +13,16 @@ A recipe module ``recipes/<name>/recipe.py`` holds one value, ``RECIPE = Recipe(
 - ``sample_counts(data) -> (train, val)``: checked against the batch size and the
   number of processes before anything is written;
 - ``fingerprint(data) -> {split name: fingerprint}``: cheap facts about each split
-  (counts, hashes; ``recipes.runner.fingerprint``) stored with the run: a resume on different
-  data is refused, naming what changed;
+  (counts, hashes; ``recipes.runner.training.fingerprint``) stored with the run: a resume on
+  different data is refused, naming what changed;
 - optional: ``commands`` (by name, ``command(recipe, args) -> exit code``: what
   ``python -m recipes <name> <command> <run> ...`` runs besides training and ``evaluate``,
-  ``recipes.runner.commands``), ``eval_splits`` (the splits besides validation that
+  ``recipes.runner.commands.dispatch``), ``eval_splits`` (the splits besides validation that
   ``evaluate --split`` can name) and ``blocks(model) -> [module]`` (the repeated blocks
-  that ``--strategy fsdp`` shards one by one, ``recipes.runner.strategy``).
+  that ``--strategy fsdp`` shards one by one, ``recipes.runner.training.strategy``).
 
-``recipes.runner.run.run(RECIPE, config, given)`` does the rest (``python -m recipes <name>``
-calls it).
+``recipes.runner.run(RECIPE, config, given)`` does the rest (``python -m recipes <name>`` calls
+it).
 """
 
 from collections.abc import Callable, Iterable, Mapping
@@ -130,7 +130,7 @@ class Recipe:
     # config -> a stand-in for the data with the same shapes and classes (random samples),
     # on which --describe builds the run's wiring without reading or downloading the data.
     stand_in_data: Callable[[Any], Any] | None = None
-    # Commands besides training and evaluate (recipes.runner.commands), by name:
+    # Commands besides training and evaluate (recipes.runner.commands.dispatch), by name:
     # command(recipe, args) -> exit code, e.g. predict, generate.
     commands: Mapping[str, Callable[["Recipe", list[str]], int]] = field(default_factory=dict)
     # The splits besides validation that ``evaluate --split`` can name: each maps the data to

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 
 from engine.sharding import local_shards, shard_group, whole_norms, window_no_sync
 from engine.update_gate import HostGate, MaskedGate
-from recipes.runner.launch import exit_process
+from recipes.runner.training.launch import exit_process
 
 
 def _models() -> tuple[nn.Module, nn.Module]:

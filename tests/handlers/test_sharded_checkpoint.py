@@ -29,7 +29,7 @@ from handlers.checkpoint import Checkpointer, CheckpointError, read_checkpoint
 from handlers.checkpoint_files import SingleFile
 from handlers.crash_points import CRASH_PHASES, CrashPoints
 from handlers.sharded_checkpoint import ShardedFolder
-from recipes.runner.launch import exit_process
+from recipes.runner.training.launch import exit_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2

@@ -27,9 +27,9 @@ from recipes.__main__ import main
 from recipes.cifar.model import build_model
 from recipes.cifar.recipe import Config
 from recipes.common.paths import SHARED_DATA
-from recipes.runner import run
-from recipes.runner.config import shown_value
-from recipes.runner.resume_request import REQUEST_KEYS
+from recipes.runner.config.command_line import shown_value
+from recipes.runner.training import summary
+from recipes.runner.training.resume_request import REQUEST_KEYS
 
 pytestmark = pytest.mark.filterwarnings(  # torchvision 0.29 deprecates its JPEG codecs
     "ignore:The image decoding and encoding capabilities:DeprecationWarning")
@@ -170,7 +170,7 @@ def test_a_mistake_on_the_command_line_is_answered_before_torch_loads(args, tmp_
                             timeout=CLI_TIMEOUT_SEC)
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()
                 if line.startswith("import time:")}
-    assert "recipes.runner.config" in imported
+    assert "recipes.runner" in imported  # its facade loads the config (importlib: unlisted)
     assert not {"torch", "torchvision", "ignite"} & imported
     errors = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
     expect_one_error_line(result.returncode, "\n".join(errors), [])
@@ -455,14 +455,14 @@ def test_resume_never_into_a_folder_with_checkpoints_exits_2(tiny_run, capsys):
 def test_a_summary_the_disk_refuses_is_one_error_line_and_exit_4(tmp_path, monkeypatch,
                                                                   capsys):
     monkeypatch.chdir(tmp_path)
-    write_json_atomic = run.write_json_atomic
+    write_json_atomic = summary.write_json_atomic
 
     def disk_full_for_the_summary(path: Path, data: dict) -> None:
         if path.name == "summary.json":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         write_json_atomic(path, data)
 
-    monkeypatch.setattr(run, "write_json_atomic", disk_full_for_the_summary)
+    monkeypatch.setattr(summary, "write_json_atomic", disk_full_for_the_summary)
     code = main(["cifar", *RESUMABLE, "--run-name", "full"])
     err = capsys.readouterr().err
     assert code == 4

@@ -44,7 +44,7 @@ import torch
 from ignite.engine import Events
 
 import recipes.cifar.recipe
-import recipes.runner.run
+import recipes.runner.training.build
 from engine.batch import supervised_forward
 from recipes.cifar.model import AirbenchNet
 
@@ -72,7 +72,7 @@ def _signals_here() -> bool:
 def _install_trainer_hooks() -> None:
     """Wrap the run layer's ``create_trainer`` to add the NaN, spike, snapshot and signal
     faults."""
-    real_create_trainer = recipes.runner.run.create_trainer
+    real_create_trainer = recipes.runner.training.build.create_trainer
     nan_iterations = _iterations("RELIABILITY_NAN_ITERATIONS")
     spike_iterations = _iterations("RELIABILITY_SPIKE_ITERATIONS")
     snapshot_iterations = _iterations("RELIABILITY_SNAPSHOT_ITERATIONS")
@@ -109,9 +109,9 @@ def _install_trainer_hooks() -> None:
                 os.kill(os.getpid(), signal.Signals[signal_name])
         return trainer
 
-    recipes.runner.run.create_trainer = create_trainer
+    recipes.runner.training.build.create_trainer = create_trainer
     if signal_event == "validation" and _signals_here():
-        real_create_evaluator = recipes.runner.run.create_evaluator
+        real_create_evaluator = recipes.runner.training.build.create_evaluator
         evaluations = {"count": 0}
 
         def create_evaluator(*args, **options):
@@ -124,7 +124,7 @@ def _install_trainer_hooks() -> None:
                     os.kill(os.getpid(), signal.Signals[signal_name])
             return evaluator
 
-        recipes.runner.run.create_evaluator = create_evaluator
+        recipes.runner.training.build.create_evaluator = create_evaluator
 
 
 def _install_disk_error() -> None:

@@ -41,5 +41,5 @@ print(f"rank {rank} start {os.environ['TORCHELASTIC_RESTART_COUNT']} sum {total.
       flush=True)
 dist.destroy_process_group()
 # Gloo's worker thread may free the last collective's tensors while the interpreter shuts
-# down, and the process then aborts (recipes.runner.launch.exit_process): exit at once.
+# down, and the process then aborts (recipes.runner.training.launch.exit_process): exit at once.
 os._exit(0)

@@ -12,7 +12,7 @@ from benchmarks.harness.timing import Stats
 from benchmarks.sections import s5_gpu
 from recipes.cifar.data import make_synthetic
 from recipes.cifar.recipe import Config
-from recipes.runner.config import parse_args
+from recipes.runner.config.command_line import parse_args
 
 
 def _installed_except(missing: str):

@@ -1,4 +1,4 @@
-"""``recipes.runner.checkpoint_strategy``: the format by strategy, saves in which every
+"""``recipes.runner.training.checkpoint_strategy``: the format by strategy, saves in which every
 process takes part, and the refusal of the other strategy's checkpoints."""
 
 import os
@@ -14,14 +14,14 @@ from handlers import CheckpointError
 from handlers.checkpoint_files import SingleFile
 from handlers.sharded_checkpoint import ShardedFolder
 from recipes.__main__ import main
-from recipes.runner.checkpoint_strategy import (
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.training.checkpoint_strategy import (
     EveryRankSave,
     checkpoint_format,
     refuse_other_format,
     save_wrapper,
 )
-from recipes.runner.config import ConfigError
-from recipes.runner.launch import RankZeroSave, exit_process
+from recipes.runner.training.launch import RankZeroSave, exit_process
 from tests.helpers import CHARLM_RUN, digests, leave_the_group, one_error_line, write_text
 
 

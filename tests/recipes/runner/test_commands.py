@@ -25,9 +25,9 @@ from PIL import Image
 
 from engine import create_evaluator
 from recipes.__main__ import main
-from recipes.runner.commands import run_command
-from recipes.runner.registry import load_recipe
-from recipes.runner.trained import load_trained
+from recipes.runner.commands.dispatch import run_command
+from recipes.runner.commands.trained import load_trained
+from recipes.runner.config.registry import load_recipe
 from tests.helpers import (
     CIFAR_RUN,
     copy_run,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from handlers.spike_guard import SpikeGuard
-from recipes.runner.config import (
+from recipes.runner.config.command_line import (
     ConfigError,
     field,
     group_of,
@@ -16,7 +16,7 @@ from recipes.runner.config import (
     resume_overrides,
     validate,
 )
-from recipes.runner.run_config import MAX_SEED, RunConfig
+from recipes.runner.config.run_keys import MAX_SEED, RunConfig
 
 
 def _even(value: int) -> str | None:
@@ -341,7 +341,7 @@ def test_the_run_keys_choices_are_those_of_the_engine_and_the_handlers():
     from engine.precision import PRECISIONS
     from handlers.lr_scheduling import SCHEDULER_NAMES
     from handlers.spike_guard import WATCH_CHOICES
-    from recipes.runner import run_config
+    from recipes.runner.config import run_keys as run_config
 
     assert run_config.PRECISIONS == PRECISIONS
     assert run_config.SCHEDULER_NAMES == SCHEDULER_NAMES

@@ -1,57 +1,47 @@
-"""The run's header and closing lines (``recipes.runner.console``)."""
+"""The console module: the run layer prints through it and nowhere else."""
 
-from types import SimpleNamespace
+import ast
+import sys
+from pathlib import Path
 
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp import fully_shard
+import recipes.runner
+from recipes.runner.console import say, warn
 
-from handlers.goal import Goal
-from handlers.grad_telemetry import GradientTelemetry
-from handlers.history import RunHistory
-from recipes.charlm.recipe import Config
-from recipes.runner.console import closing, header
+RUN_LAYER = Path(recipes.runner.__file__).parent
+CONSOLE = RUN_LAYER / "console.py"
 
 
-class TinyNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.block, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.block(x))
+def print_calls(path: Path) -> list[int]:
+    """The lines of ``path`` that call the builtin ``print``."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "print"]
 
 
-def test_the_model_line_names_the_recipes_class_under_fsdp_too(tmp_path):
-    config = Config(device="cpu", epochs=1)
-    model = TinyNet()
-    assert "  model    TinyNet, 30 parameters" in header("charlm", config, tmp_path, (8, 2), model)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        fully_shard(model.block)
-        fully_shard(model)  # FSDP2 turns the class into FSDPTinyNet
-        assert type(model).__name__ == "FSDPTinyNet"
-        lines = header("charlm", config, tmp_path, (8, 2), model)
-    finally:
-        dist.destroy_process_group()
-    assert "  model    TinyNet, 30 parameters" in lines
+def test_no_module_of_the_run_layer_but_the_console_calls_print():
+    found = {str(path.relative_to(RUN_LAYER)): lines for path in RUN_LAYER.rglob("*.py")
+             if path != CONSOLE and (lines := print_calls(path))}
+    assert found == {}
+    assert print_calls(CONSOLE)  # the search sees a print where there is one
 
 
-def test_a_run_that_completed_with_a_diverged_loss_says_so_at_the_end(tmp_path):
-    """The images recipe at too high an LR completed its epochs; the closing lines say that
-    it diverged (ln(3) at the start, 613.6 and 1532 at the evaluations)."""
-    history = RunHistory(batch_size=32, telemetry=GradientTelemetry(log_every=1))
-    history.train["loss"] = [1.1]
-    history.val = {"step": [3, 6], "loss": [613.6, 1532.0], "accuracy": [0.33, 0.33]}
-    evaluations = SimpleNamespace(history=history, best=Goal("accuracy", "max"),
-                                  steps_per_epoch=3)
-    handlers = SimpleNamespace(history=history, evaluation=SimpleNamespace(epochs=2),
-                               progress=SimpleNamespace(evaluations=evaluations))
-    summary = {"status": "completed", "epochs_completed": 2, "optimizer_steps": 6,
-               "wall_time_sec": 5.0, "stopped_early": False}
-    lines = closing("images", summary, tmp_path, handlers)
-    assert lines[1] == ("  warning  the validation loss rose to 1532, over 3x the first training "
-                        "loss 1.1: the run diverged; try a lower --lr (a third or a tenth)")
-    history.val["loss"] = [1.0, 0.9]
-    assert not any("warning" in line for line in closing("images", summary, tmp_path, handlers))
+def test_say_writes_its_lines_to_stdout_and_warn_one_line_to_stderr(capsys):
+    say("one", "two")
+    warn("warning: three")
+    assert capsys.readouterr() == ("one\ntwo\n", "warning: three\n")
+
+
+def test_warn_writes_to_the_stderr_of_the_moment(capsys, monkeypatch):
+    """A test or a process that swaps sys.stderr after the import still gets the line."""
+    class Sink:
+        text = ""
+
+        def write(self, text: str) -> None:
+            Sink.text += text
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Sink())
+    warn("error: x", flush=True)
+    assert Sink.text == "error: x\n"

@@ -15,9 +15,9 @@ import torch
 
 from handlers.checkpoint import read_checkpoint
 from recipes.__main__ import main
-from recipes.runner.interpreter import interpreter
-from recipes.runner.registry import load_recipe
-from recipes.runner.trained import load_trained
+from recipes.runner.commands.trained import load_trained
+from recipes.runner.config.interpreter import interpreter
+from recipes.runner.config.registry import load_recipe
 from tests.helpers import (
     CHARLM_RUN,
     RunsCodeWhenUnpickled,

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from recipes.__main__ import main
-from recipes.runner.continue_run import choose_run, continue_command
-from recipes.runner.lock import RunLock
-from recipes.runner.run import _join_group
+from recipes.runner.training.continue_run import continue_command
+from recipes.runner.training.group import join_group
+from recipes.runner.training.lock import RunLock
+from recipes.runner.training.resume_plan import CONTINUE, FRESH, plan_resume
 from tests.helpers import (
     CHARLM_IN_FOLDER,
     REPO,
@@ -117,7 +118,7 @@ def test_the_newest_run_with_the_same_keys_is_continued(tmp_path, monkeypatch, c
     (tmp_path / "runs" / "charlm" / "20260104-000000").mkdir()  # no config.json: unknown
     fake_run(tmp_path, "named", config)  # not a timestamp: only --run-name continues it
 
-    assert choose_run("charlm", recipe.best, config, given) is None
+    assert plan_resume("charlm", recipe.best, config, given).action == CONTINUE
     assert config.run_dir == "runs/charlm/20260102-000000"
     assert capsys.readouterr().out.startswith("continuing runs/charlm/20260102-000000 ")
 
@@ -128,7 +129,7 @@ def test_resume_never_or_other_keys_make_a_new_folder(extra, tmp_path, monkeypat
     recipe, config, given = charlm_config(*extra)
     fake_run(tmp_path, "20260101-000000", charlm_config()[1], "interrupted by SIGTERM")
 
-    assert choose_run("charlm", recipe.best, config, given) is None
+    assert plan_resume("charlm", recipe.best, config, given).action == FRESH
     assert STAMPED.fullmatch(Path(config.run_dir).name) and config.run_dir != (
         "runs/charlm/20260101-000000")
     assert capsys.readouterr().out == ""
@@ -141,7 +142,7 @@ def test_a_new_folder_never_reuses_a_timestamp_taken_in_the_same_second(tmp_path
     recipe, config, given = charlm_config("--resume", "never")
     fake_run(tmp_path, "20260101-000000", config)
     fake_run(tmp_path, "20260101-000000-2", config)
-    choose_run("charlm", recipe.best, config, given)
+    plan_resume("charlm", recipe.best, config, given)
     assert config.run_dir == "runs/charlm/20260101-000000-3"
 
 
@@ -149,7 +150,8 @@ def test_a_named_run_is_left_to_the_run_layer(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     recipe, config, given = charlm_config("--run-name", "mine")
     fake_run(tmp_path, "20260101-000000", charlm_config()[1], "completed")
-    assert choose_run("charlm", recipe.best, config, given) is None
+    plan = plan_resume("charlm", recipe.best, config, given)
+    assert plan.action == FRESH and plan.run_dir == Path("runs/charlm/mine")
     assert config.run_dir == ""
 
 
@@ -242,12 +244,12 @@ def test_ctrl_c_under_make_train_saves_the_run_and_make_reports_the_interrupt(tm
 
 def test_under_torchrun_rank_zero_reports_a_finished_run_and_the_group_trains_nothing(
         tmp_path, monkeypatch, capsys):
-    """``_join_group`` without a group (rank 0 of one): no text.txt, so loading data fails."""
+    """``join_group`` without a group (rank 0 of one): no text.txt, so loading data fails."""
     monkeypatch.chdir(tmp_path)
     recipe, config, given = charlm_config()
     folder = fake_run(tmp_path, "20260101-000000", config, "completed")
     before = digests(folder)
-    assert _join_group(recipe, config, given) == 0
+    assert join_group(recipe, config, given) == 0
     assert capsys.readouterr().out.startswith(
         "the run is already complete: runs/charlm/20260101-000000 ")
     assert digests(folder) == before and run_folders(tmp_path) == ["20260101-000000"]

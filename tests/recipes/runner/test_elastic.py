@@ -1,10 +1,10 @@
-"""A start of torchrun's group: a restarted one resumes ``auto``; a first one that allows
-restarts warns while torchrun shares its store (the whole restart: tests/reliability)."""
+"""A start of torchrun's group: a first one that allows restarts warns while torchrun shares
+its store (that a restarted one resumes ``auto``: test_resume_plan.py; the whole restart:
+tests/reliability)."""
 
 import pytest
 
-from recipes.runner.elastic import SHARED_STORE_HINT, prepare_start
-from tests.helpers import charlm_config
+from recipes.runner.training.elastic import SHARED_STORE_HINT, warn_if_store_shared
 
 
 def torchrun_start(monkeypatch, rank: int, restart: int, max_restarts: int, shared: bool
@@ -15,35 +15,11 @@ def torchrun_start(monkeypatch, rank: int, restart: int, max_restarts: int, shar
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(shared))
 
 
-@pytest.mark.parametrize("resume", ["never", "a file"])
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_restarted_group_resumes_the_newest_checkpoint_whatever_resume_asked(
-        resume, rank, monkeypatch, capsys, tmp_path):
-    torchrun_start(monkeypatch, rank, restart=2, max_restarts=3, shared=False)
-    if resume == "a file":
-        resume = str(tmp_path / "step-00000004.pt")
-        (tmp_path / "step-00000004.pt").touch()
-    _, config, _ = charlm_config("--resume", resume)
-    prepare_start(config)
-    assert config.resume == "auto"
-    said = f"torchrun restart 2: --resume {resume} becomes auto (the newest good checkpoint " \
-           "of the run)\n"
-    assert capsys.readouterr() == ((said if rank == 0 else ""), "")
-
-
-def test_the_first_start_keeps_its_resume(monkeypatch, capsys):
-    torchrun_start(monkeypatch, 0, restart=0, max_restarts=3, shared=False)
-    _, config, _ = charlm_config("--resume", "never")
-    prepare_start(config)
-    assert config.resume == "never" and capsys.readouterr() == ("", "")
-
-
 @pytest.mark.parametrize("rank, restart, max_restarts, shared, warned", [
     (0, 0, 1, True, True), (1, 0, 1, True, False), (0, 1, 1, True, False),
     (0, 0, 0, True, False), (0, 0, 1, False, False)])
 def test_rank_zero_of_a_first_start_warns_when_restarts_share_torchruns_store(
         rank, restart, max_restarts, shared, warned, monkeypatch, capsys):
     torchrun_start(monkeypatch, rank, restart, max_restarts, shared)
-    _, config, _ = charlm_config()
-    prepare_start(config)
+    warn_if_store_shared()
     assert capsys.readouterr().err == (SHARED_STORE_HINT + "\n" if warned else "")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from recipes.__main__ import main
-from recipes.runner.environment import environment_record, git_revision
+from recipes.runner.training.environment import environment_record, git_revision
 from tests.helpers import CHARLM, write_text
 
 

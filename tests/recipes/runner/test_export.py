@@ -20,8 +20,8 @@ from recipes.__main__ import main
 from recipes.charlm.model import GPT
 from recipes.cifar.model import build_model
 from recipes.images.recipe import build_classifier
-from recipes.runner.registry import load_recipe
-from recipes.runner.trained import load_trained
+from recipes.runner.commands.trained import load_trained
+from recipes.runner.config.registry import load_recipe
 from tests.helpers import (
     CIFAR_RUN,
     MODEL_INPUT,

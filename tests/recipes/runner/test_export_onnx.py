@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from recipes.__main__ import main
-from recipes.runner.export_onnx import NEEDED
-from recipes.runner.registry import load_recipe
-from recipes.runner.trained import load_trained
+from recipes.runner.commands.export_onnx import NEEDED
+from recipes.runner.commands.trained import load_trained
+from recipes.runner.config.registry import load_recipe
 from tests.helpers import RUNS, TOLERANCE, digests, evaluation, one_error_line
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")

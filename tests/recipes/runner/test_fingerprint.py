@@ -5,7 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.runner.fingerprint import describe_change, fingerprint_arrays, fingerprint_files
+from recipes.runner.training.fingerprint import (
+    describe_change,
+    fingerprint_arrays,
+    fingerprint_files,
+)
 
 CLASSES = ["cat", "dog", "frog"]
 

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from recipes.__main__ import main
-from recipes.runner.config import ConfigError
-from recipes.runner.folder import read_saved_config, resolve_run_dir, write_json_atomic
-from recipes.runner.run_config import check_run_name
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.config.run_keys import check_run_name
+from recipes.runner.training.folder import read_saved_config, resolve_run_dir, write_json_atomic
 
 
 @pytest.mark.parametrize("name", ["", "r1", "lr-0.2_bs512", "A" * 64, "2024.01.01", "x.."])

@@ -11,7 +11,8 @@ import torch
 from handlers.checkpoint_files import read_sidecar
 from recipes.__main__ import main
 from recipes.cifar.recipe import RECIPE as CIFAR
-from recipes.runner.run import build_parts
+from recipes.runner.training.build import build_parts
+from recipes.runner.training.resume_plan import fresh_init_from
 from tests import helpers
 from tests.helpers import CHARLM, digests, one_error_line, write_text
 
@@ -72,7 +73,8 @@ def test_a_cifar_run_begins_with_the_checkpoints_weights_and_no_optimizer_state(
     source = tmp_path / "source" / "checkpoints" / "last.pt"
     saved = json.loads((tmp_path / "source" / "config.json").read_text())["config"]
     config = CIFAR.config(**{**saved, "init_from": str(source), "run_dir": ""})
-    _, parts, trainer = build_parts(CIFAR, config, CIFAR.load_data(config), tmp_path / "new")
+    _, parts, trainer = build_parts(CIFAR, config, CIFAR.load_data(config), tmp_path / "new",
+                                    fresh_init_from(config, tmp_path / "new"))
     trained = model_weights(source)
     first = parts.model.state_dict()
     assert first.keys() == trained.keys()

@@ -1,11 +1,11 @@
-"""A printed command names the interpreter that runs it (``recipes.runner.interpreter``)."""
+"""A printed command names the interpreter that runs it (``recipes.runner.config.interpreter``)."""
 
 import os
 import sys
 
-from recipes.runner.config_file import config_toml, parse_command_line
-from recipes.runner.interpreter import interpreter, recipes_command
-from recipes.runner.registry import recipe_keys
+from recipes.runner.config.file import config_toml, parse_command_line
+from recipes.runner.config.interpreter import interpreter, recipes_command
+from recipes.runner.config.registry import recipe_keys
 
 
 def test_the_projects_venv_is_named_relative_to_the_working_folder(tmp_path, monkeypatch):

@@ -31,9 +31,10 @@ from recipes.cifar import model as models
 from recipes.cifar import recipe as cifar
 from recipes.cifar.batches import EvalBatches
 from recipes.cifar.model import TTA_PREDICTS
-from recipes.runner.errors import DataError
-from recipes.runner.launch import process_device, rank_zero_exit_code, share_machine, spawn
-from recipes.runner.run import Started, train
+from recipes.runner.config.errors import DataError
+from recipes.runner.training.launch import process_device, rank_zero_exit_code, share_machine, spawn
+from recipes.runner.training.start_checks import Started
+from recipes.runner.training.train import train
 from tests.helpers import TINY_AIRBENCH_RUN
 
 REPO = Path(__file__).resolve().parents[3]

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from recipes.runner.config import ConfigError
-from recipes.runner.lock import LOCK_NAME, RunLock
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.training.lock import LOCK_NAME, RunLock
 
 REPO = Path(__file__).resolve().parents[3]
 HOLD_SCRIPT = """
 import sys, time
-from recipes.runner.lock import RunLock
+from recipes.runner.training.lock import RunLock
 lock = RunLock(sys.argv[1])
 lock.acquire()
 print("locked", flush=True)
@@ -26,8 +26,8 @@ time.sleep(60)
 
 
 def try_from_another_process(run_dir: Path) -> subprocess.CompletedProcess:
-    script = ("import sys\nfrom recipes.runner.lock import RunLock\n"
-              "from recipes.runner.config import ConfigError\n"
+    script = ("import sys\nfrom recipes.runner.training.lock import RunLock\n"
+              "from recipes.runner.config.command_line import ConfigError\n"
               "try:\n    RunLock(sys.argv[1]).acquire()\n"
               "except ConfigError as error:\n    print(error)\n    sys.exit(2)\n")
     return subprocess.run([sys.executable, "-c", script, str(run_dir)], cwd=REPO,
@@ -91,7 +91,7 @@ def test_a_holder_killed_with_sigkill_leaves_no_stale_lock(tmp_path, holder):
 
 FORKING_HOLDER = """
 import os, sys, time
-from recipes.runner.lock import RunLock
+from recipes.runner.training.lock import RunLock
 RunLock(sys.argv[1]).acquire()
 child = os.fork()  # as a DataLoader forks its workers
 if child == 0:
@@ -169,7 +169,7 @@ def test_a_lock_that_is_not_a_regular_file_is_refused(tmp_path, kind):
 
 SPAWNING_HOLDER = """
 import multiprocessing, os, sys, time
-from recipes.runner.lock import RunLock
+from recipes.runner.training.lock import RunLock
 
 
 def hold(lock):

@@ -11,10 +11,9 @@ import subprocess
 import sys
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from recipes.__main__ import main
-from recipes.runner.trackers.mlflow import STATE_FILE, URI_VARIABLE, tracking_uri
+from recipes.runner.training.trackers.mlflow import STATE_FILE, URI_VARIABLE, tracking_uri
 from tests.helpers import (
     CHARLM,
     REPO,
@@ -22,6 +21,8 @@ from tests.helpers import (
     TINY_AIRBENCH_RUN,
     digests,
     one_error_line,
+    scalar_steps,
+    scalar_tags,
     write_text,
 )
 
@@ -52,24 +53,10 @@ def metric_steps(client, run, key):
     return sorted(metric.step for metric in client.get_metric_history(run.info.run_id, key))
 
 
-def scalar_tags(run_dir):
-    """Every scalar tag TensorBoard holds."""
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    return events.Tags()["scalars"]
-
-
-def scalar_steps(run_dir, tag):
-    """The steps TensorBoard holds for ``tag``."""
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    return sorted(event.step for event in events.Scalars(tag))
-
-
 @needs_mlflow
 def test_the_mlflow_run_holds_the_config_tags_scalars_and_artifacts(tmp_path, monkeypatch,
                                                                     capsys):
-    from recipes.runner.trackers.mlflow import metric_key
+    from recipes.runner.training.trackers.mlflow import metric_key
 
     monkeypatch.chdir(tmp_path)  # the default store: mlruns/ beside runs/
     assert train(tmp_path, "--epochs", "1") == 0
@@ -102,7 +89,7 @@ def test_the_mlflow_run_holds_the_config_tags_scalars_and_artifacts(tmp_path, mo
     ("databricks", ""),
 ])
 def test_the_closing_line_names_the_store_and_how_to_browse_it(uri, browse):
-    from recipes.runner.trackers.mlflow import MlflowTracker
+    from recipes.runner.training.trackers.mlflow import MlflowTracker
 
     class Client:
         tracking_uri = uri
@@ -190,7 +177,7 @@ def test_an_unknown_tracker_is_refused_with_the_known_ones(tmp_path, capsys):
 def test_the_sink_sends_what_it_holds_in_one_batch_at_each_flush(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
-    from recipes.runner.trackers.mlflow import MlflowSink
+    from recipes.runner.training.trackers.mlflow import MlflowSink
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(tracking_uri=(tmp_path / "store").as_uri())
@@ -216,7 +203,7 @@ def test_the_sink_sends_what_it_holds_in_one_batch_at_each_flush(tmp_path, monke
 
 @needs_mlflow
 def test_a_sink_whose_server_fails_warns_once_then_drops_what_it_gets(capsys):
-    from recipes.runner.trackers.mlflow import MlflowSink
+    from recipes.runner.training.trackers.mlflow import MlflowSink
 
     class DownServer:
         tracking_uri = "http://tracking.invalid"

@@ -3,8 +3,8 @@ and the nearest name for a mistyped one."""
 
 import pytest
 
-from recipes.runner.config import ConfigError
-from recipes.runner.registry import find_recipes, load_recipe, recipe_keys
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.config.registry import find_recipes, load_recipe, recipe_keys
 
 
 @pytest.mark.parametrize("name", sorted(find_recipes()))
@@ -38,7 +38,7 @@ def test_cifars_choices_are_its_models_augmentations_and_flips():
 
 def test_the_images_model_check_knows_torchvisions_models():
     from recipes.images.config import Config
-    from recipes.runner.config import parse_args
+    from recipes.runner.config.command_line import parse_args
 
     assert parse_args(Config, ["--model", "resnet18"])[0].model == "resnet18"
     with pytest.raises(ConfigError, match="--model: must be a torchvision classification"):

@@ -18,8 +18,8 @@ from handlers.checkpoint_files import FORMAT_VERSION
 from handlers.crash_points import CrashPoints
 from handlers.goal import Goal
 from handlers.sharded_checkpoint import ShardedFolder
-from recipes.runner.config import ConfigError
-from recipes.runner.resume_request import (
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.training.resume_request import (
     check_resume_file,
     saved_in_checkpoints,
     stored_config,

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import recipes.runner.run as run_module
 from recipes.__main__ import main
-from recipes.runner.lock import RunLock
-from recipes.runner.registry import find_recipes, load_recipe
+from recipes.runner.config.registry import find_recipes, load_recipe
+from recipes.runner.training import summary as summary_module
+from recipes.runner.training.lock import RunLock
 from tests.helpers import CHARLM, RUN_RECIPE, digests, one_error_line, write_text
 
 TIMEOUT_SEC = 600
@@ -229,14 +229,14 @@ def test_a_full_disk_that_refuses_the_summary_too_is_still_one_line(tmp_path, mo
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").symlink_to("/dev/full")
-    write_json_atomic = run_module.write_json_atomic
+    write_json_atomic = summary_module.write_json_atomic
 
     def full_for_the_summary(path: Path, data: dict) -> None:
         if path.name == "summary.json":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         write_json_atomic(path, data)
 
-    monkeypatch.setattr(run_module, "write_json_atomic", full_for_the_summary)
+    monkeypatch.setattr(summary_module, "write_json_atomic", full_for_the_summary)
     code = main([*CHARLM, "--text", str(write_text(tmp_path / "corpus.txt")), "--run-dir",
                  str(run_dir), "--epochs", "1"])
 

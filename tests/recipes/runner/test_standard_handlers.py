@@ -6,7 +6,7 @@ from ignite.engine import Engine, Events
 
 from engine import TrainEvents
 from recipes.__main__ import main
-from recipes.runner.standard_handlers import METRICS_FILE, Evaluation
+from recipes.runner.training.standard_handlers import METRICS_FILE, Evaluation
 from tests.helpers import CHARLM, write_text
 
 

@@ -24,8 +24,9 @@ from handlers.checkpoint_files import checkpoint_in
 from recipes.__main__ import main
 from recipes.charlm import recipe as charlm
 from recipes.cifar import recipe as cifar
-from recipes.runner.launch import process_device, share_machine, spawn
-from recipes.runner.run import Started, train
+from recipes.runner.training.launch import process_device, share_machine, spawn
+from recipes.runner.training.start_checks import Started
+from recipes.runner.training.train import train
 from tests.helpers import one_error_line
 
 REPO = Path(__file__).resolve().parents[3]

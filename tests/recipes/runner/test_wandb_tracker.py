@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 
 from recipes.__main__ import main
-from tests.recipes.runner.test_mlflow_tracker import scalar_steps, scalar_tags
-from tests.recipes.runner.test_run import (
+from tests.helpers import (
     CHARLM,
     RUN_RECIPE,
     digests,
     one_error_line,
+    scalar_steps,
+    scalar_tags,
     write_text,
 )
 
@@ -167,7 +168,7 @@ def test_a_run_killed_mid_way_continues_its_wandb_run_each_step_once(tmp_path):
 
 @needs_wandb
 def test_the_sink_logs_only_at_flush_each_record_at_its_step():
-    from recipes.runner.trackers.wandb import WandbSink
+    from recipes.runner.training.trackers.wandb import WandbSink
 
     class Run:
         def __init__(self):
@@ -189,7 +190,7 @@ def test_the_sink_logs_only_at_flush_each_record_at_its_step():
 
 @needs_wandb
 def test_a_sink_that_fails_warns_once_then_drops_what_it_gets(capsys):
-    from recipes.runner.trackers.wandb import WandbSink
+    from recipes.runner.training.trackers.wandb import WandbSink
 
     class BrokenRun:
         calls = 0
@@ -217,7 +218,7 @@ def test_finish_ends_the_wandb_run_with_the_status_and_its_exit_code(tmp_path, m
                                                                     status, code):
     import wandb
 
-    from recipes.runner.trackers.wandb import WandbTracker
+    from recipes.runner.training.trackers.wandb import WandbTracker
 
     class Run:
         dir = str(tmp_path / "files")

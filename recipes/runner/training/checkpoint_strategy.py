@@ -1,0 +1,63 @@
+"""Which checkpoints a run writes, by its ``--strategy``: ``ddp`` (and one process) the
+single-file format, rank 0 writing each ``.pt``; ``fsdp`` the sharded one
+(``handlers.sharded_checkpoint``), every process writing its own shards of each ``.dcp``
+folder. A checkpoint of the other kind is refused before anything is written.
+"""
+
+from pathlib import Path
+
+from handlers.checkpoint import CheckpointFormat
+from handlers.checkpoint_files import (
+    CHECKPOINT_NAME,
+    SingleFile,
+    claimed_position,
+    sidecar_of,
+)
+from handlers.sharded_checkpoint import ShardedFolder
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.training.launch import RankZeroSave
+
+SUFFIXES = {"ddp": ".pt", "fsdp": ".dcp"}
+
+
+def checkpoint_format(strategy: str) -> CheckpointFormat:
+    return ShardedFolder() if strategy == "fsdp" else SingleFile()
+
+
+def save_wrapper(strategy: str) -> type:
+    """How each save takes part across processes: ``EveryRankSave`` for sharded saves,
+    ``RankZeroSave`` for single files."""
+    return EveryRankSave if strategy == "fsdp" else RankZeroSave
+
+
+class EveryRankSave(RankZeroSave):
+    """Every process saves (a sharded save is a collective: each writes its own shards) and
+    learns whether every process's save worked; all raise the same ``CheckpointError`` if
+    not, so all stop together with exit code 4. Attach it on every rank at the same events."""
+
+    failure = "another process could not save it"
+
+    def saves_here(self) -> bool:
+        return True
+
+
+def refuse_other_format(strategy: str, run_dir: Path, resume: str) -> None:
+    """``ConfigError`` (one line) when the checkpoint this start would resume from is of the
+    other strategy's kind: ``--resume FILE``, or a run folder whose committed checkpoints
+    are all of the other kind."""
+    wanted = SUFFIXES[strategy]
+    if resume not in ("auto", "never"):
+        found = [Path(resume)]
+    else:
+        folder = run_dir / "checkpoints"
+        found = [path for path in folder.iterdir() if CHECKPOINT_NAME.match(path.name)
+                 and sidecar_of(path).exists()] if folder.is_dir() else []
+    if not found or any(path.suffix == wanted for path in found):
+        return
+    other = max(found, key=claimed_position)  # the newest
+    theirs = next((name for name, suffix in SUFFIXES.items() if suffix == other.suffix), None)
+    if theirs is None:
+        return  # not a checkpoint name at all: the resume's own check names the problem
+    raise ConfigError(f"--strategy {strategy}: {other} is a checkpoint of a --strategy {theirs} "
+                      f"run ({other.suffix}, this run reads {wanted}); resume with --strategy "
+                      f"{theirs}, or start a new run from its weights with --init-from")

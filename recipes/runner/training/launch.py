@@ -1,0 +1,204 @@
+"""One recipe on several processes, through ``ignite.distributed``: spawned here or by torchrun.
+
+``python -m recipes cifar --nproc 2`` spawns two processes
+(``idist.Parallel(backend, nproc_per_node=2)``); ``torchrun --nproc-per-node=2 -m recipes
+cifar`` starts them itself, and each one joins their group (``idist.Parallel(backend)``).
+Every process then runs the same training function on its slice of each global batch
+(docs/design.md, "Randomness and exact resume"); only rank 0 writes.
+
+Rank 0's exit code is the run's (the others return 0 when they finish). A process that
+raises ends the others at once (the spawner or torchrun stops them), and the spawner exits
+with its code: 2 for a user error, which the failing process has already printed, else 1.
+"""
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import ignite.distributed as idist
+import torch
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+from engine import resolve_device
+from handlers import CheckpointError
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.config.errors import USER_ERRORS
+from recipes.runner.console import warn
+from recipes.runner.training.lock import RunLock
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun for each process
+
+
+def launched_by_torchrun() -> bool:
+    """Whether a launcher (torchrun) started this process as one rank of a group."""
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How many processes run in all, and the backend of their group."""
+
+    world_size: int
+    backend: str
+
+
+def plan_launch(nproc: int, backend: str, device: str, batch_size: int) -> Launch:
+    """Check ``--nproc``/``--backend``/``--device``/``--batch-size`` against each other and
+    against how this process was started; ``ConfigError`` naming the keys."""
+    try:
+        resolved = resolve_device(device)
+    except ValueError as error:
+        raise ConfigError(f"--device: {error}") from None
+    if launched_by_torchrun():
+        world_size = int(os.environ["WORLD_SIZE"])
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if nproc != 1:
+            raise ConfigError(f"--nproc {nproc}: torchrun already started {world_size} "
+                              "process(es) (WORLD_SIZE); use --nproc 1 under torchrun")
+    else:
+        world_size = per_node = nproc
+    if batch_size % world_size:
+        raise ConfigError(f"--batch-size {batch_size} (global) must be divisible by the "
+                          f"{world_size} processes")
+    if backend == "auto":
+        backend = "nccl" if resolved.type == "cuda" else "gloo"
+    if backend == "nccl" and resolved.type != "cuda":  # even where one process needs none
+        raise ConfigError("--backend nccl needs CUDA devices; processes on the CPU "
+                          "use --backend gloo (or auto)")
+    if world_size > 1:
+        if resolved.type == "cuda" and resolved.index is not None:
+            raise ConfigError(f"--device {device}: each process uses cuda:<local rank>; "
+                              "use --device cuda or auto")
+        if resolved.type == "cuda" and per_node > torch.cuda.device_count():
+            raise ConfigError(f"{per_node} processes on this machine but only "
+                              f"{torch.cuda.device_count()} CUDA device(s): one process per GPU")
+        if backend not in idist.available_backends():
+            raise ConfigError(f"--backend {backend} is not available in this PyTorch build; "
+                              f"available: {', '.join(idist.available_backends())}")
+    return Launch(world_size, backend)
+
+
+def process_device(device: str) -> torch.device:
+    """This process's device: ``device`` alone; in a group, cuda:<local rank> or the CPU."""
+    resolved = resolve_device(device)
+    if idist.get_world_size() == 1 or resolved.type != "cuda":
+        return resolved
+    return torch.device("cuda", idist.get_local_rank())
+
+
+def share_machine(device: torch.device) -> None:
+    """Inside a process of a group: only rank 0 prints and warns (the others would repeat
+    it; errors still reach stderr), and processes on the CPU split its cores instead of
+    each using all of them."""
+    if idist.get_world_size() == 1:
+        return
+    if idist.get_rank() > 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of this process)
+        logging.disable(logging.WARNING)
+    if device.type == "cpu":
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(max(1, cores // idist.get_nproc_per_node()))
+
+
+def rank_zero_exit_code(exit_code: int) -> int:
+    """``exit_code`` on rank 0, 0 on the others: rank 0 speaks for the group. The spawner
+    and torchrun stop every process at the first non-zero exit, and another rank ending
+    first (a non-finite stop is raised on all) must not cut rank 0's summary short."""
+    return exit_code if idist.get_rank() == 0 else 0
+
+
+def spawn(fn: Callable[..., int], *args: Any, nproc: int, backend: str,
+          lock: RunLock | None = None) -> int:
+    """Run ``fn(local_rank, *args) -> exit code`` in ``nproc`` new processes forming a
+    ``backend`` group on this machine; return the first non-zero exit code, or 0. Each
+    process holds ``lock`` (the run folder's, held here) from its start until it exits, so
+    the folder stays locked while any of them lives, even if this process is killed."""
+    # Ctrl-C reaches every process of the terminal's group: the trainers stop and save
+    # on their own, and this process keeps waiting to report how they ended.
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        port = int(os.environ.get("MASTER_PORT") or _free_port())
+        with idist.Parallel(backend=backend, nproc_per_node=nproc, master_port=port) as parallel:
+            parallel.run(_process_main, lock, fn, args)
+    except ProcessRaisedException as failure:
+        warn(f"error: process {failure.error_index} failed:{failure.msg}")
+        return 1
+    except ProcessExitedException as failure:
+        if failure.signal_name is None:
+            return failure.exit_code  # the process printed its own error
+        warn(f"error: {failure}")
+        return 128 - failure.exit_code  # killed by a signal: exit_code is minus its number
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 0
+
+
+def _process_main(local_rank: int, lock: RunLock | None, fn: Callable[..., int],
+                  args: tuple[Any, ...]) -> None:
+    # ``lock`` needs no call: unpickled as this process started, it holds the run's lock
+    # until the process exits (recipes.runner.training.lock).
+    try:
+        exit_code = fn(local_rank, *args)
+    except USER_ERRORS as error:
+        warn(f"error: {error}", flush=True)
+        exit_code = 2
+    idist.finalize()  # what Ignite does once this function returns
+    exit_process(exit_code)
+
+
+def exit_process(exit_code: int) -> NoReturn:
+    """End a process of a group that has left it: flush and exit at once, without Python's
+    interpreter shutdown. Gloo's worker thread frees a finished collective's tensors a moment
+    after the collective returns; when that falls into the interpreter's shutdown, the thread
+    cannot take the GIL and the process aborts ("terminate called without an active
+    exception", seen in ~1 of 40 two-process runs here: a core dump shows
+    ~AsyncBarrierWork -> TensorImpl::decref_pyobject -> take_gil -> pthread_exit; pytorch PR
+    #179291 describes it). torchrun then restarts a run that had finished. The exit
+    functions run first, as at a normal exit (logging's flush; multiprocessing's finalizers,
+    which release e.g. tqdm's lock, else the spawner warns of leaked semaphores); what
+    os._exit skips is only the interpreter's teardown that follows them."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now, for the group's rendezvous (several runs at once
+    would collide on a fixed one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class RankZeroSave:
+    """Rank 0 saves; every rank learns whether the save worked and raises the same
+    ``CheckpointError`` if not, so all stop together with exit code 4. (A rank that went on
+    alone would wait forever in the next all-reduce for the rank that stopped.) Attach it
+    on every rank at the same events: under several processes it is a collective."""
+
+    failure = "rank 0 could not save it"  # what the ranks without the cause raise
+
+    def __init__(self, save: Callable[[Any], None]) -> None:
+        self.save = self.__wrapped__ = save  # __wrapped__: how --describe names it
+
+    def saves_here(self) -> bool:
+        return idist.get_rank() == 0
+
+    def __call__(self, engine: Any) -> None:
+        error = None
+        if self.saves_here():
+            try:
+                self.save(engine)
+            except CheckpointError as raised:
+                error = raised
+        if idist.get_world_size() > 1 and idist.all_reduce(int(error is not None)):
+            error = error or CheckpointError("checkpoint", self.failure)
+        if error is not None:
+            raise error

@@ -1,0 +1,141 @@
+"""Whether this start continues a run, from which checkpoint, with which overrides, or starts
+afresh (from ``--init-from``'s weights or from scratch), and why: decided here and nowhere else.
+
+``plan_resume`` reads the run folder (``config.json``, else its newest checkpoint that
+verifies), the ``--resume`` request and torchrun's restart count, and returns a
+``ResumePlan``. The rest of the run layer carries the plan out: the start checks verify its
+checkpoint file and write its run id, every process loads the checkpoint ``config.resume``
+names (``handlers.Checkpointer.resume``: ``auto`` is the newest that verifies) and the
+``--init-from`` weights the plan names.
+
+The rules (README, "Resuming"):
+
+- torchrun restarted the group: ``--resume auto``, whatever the first start asked (a file
+  would go back to an older step, ``never`` would start the run over; ``elastic.py``);
+- a command that names no folder continues the newest run of the same keys
+  (``continue_run.py``), or reports it complete; ``--resume never`` starts a new one;
+- ``--resume never`` refuses a folder that holds checkpoints (it would mix two runs);
+- a folder with a ``config.json`` (or a checkpoint that holds its copy) continues that run:
+  its run id, its keys unless given again (``override:`` lines), its data;
+- ``--init-from`` applies to a fresh run only: no committed checkpoint in the folder and no
+  ``--resume <file>``.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine import new_run_id
+from handlers.checkpoint_files import checkpoint_in
+from recipes.runner.config.command_line import ConfigError, resume_overrides
+from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.console import say
+from recipes.runner.training.continue_run import (
+    new_timestamp_folder,
+    newest_same_run,
+    report_if_complete,
+)
+from recipes.runner.training.elastic import restart_count
+from recipes.runner.training.folder import read_saved_config, resolve_run_dir
+from recipes.runner.training.launch import launched_by_torchrun
+from recipes.runner.training.resume_request import saved_in_checkpoints, without_requests
+
+CONTINUE, FRESH, COMPLETE = "continue", "fresh", "complete"
+TRAIN_AGAIN = "--resume never (a new timestamped folder) or a --run-name"
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What this start does. ``action``: ``continue`` (the run in ``run_dir``, from the
+    checkpoint ``source`` names: ``auto`` is the newest that verifies, else a file),
+    ``fresh`` (a new run, from ``init_from``'s weights when set) or ``complete`` (nothing to
+    train: ``report`` says so and ends the command). ``reason`` says why, in words."""
+
+    action: str
+    run_dir: Path
+    reason: str
+    source: str = "auto"
+    run_id: str = ""
+    saved: dict[str, Any] | None = None  # the run's config.json (or its checkpoint's copy)
+    overrides: list[str] = field(default_factory=list)  # "override: key old -> new" lines
+    init_from: str = ""  # the weights a fresh run begins with
+    init_ignored: str = ""  # the line that says why a given --init-from is not taken
+    report: str = ""
+
+
+def plan_resume(recipe: str, best: str, config: RunConfig, given: set[str]) -> ResumePlan:
+    """Decide this start (see the module's rules) and settle ``config`` to it: ``run_dir``
+    when the folder was found by the keys, ``resume`` when a restart overrides it, and the
+    saved keys a continued run takes back. Raises ``ConfigError`` for a start that cannot be
+    carried out; prints what it chose (a restart's override, a run found by its keys)."""
+    if launched_by_torchrun() and restart_count() and config.resume != "auto":
+        say(f"torchrun restart {restart_count()}: --resume {config.resume} becomes auto "
+            "(the newest good checkpoint of the run)")
+        config.resume = "auto"
+    named = bool(config.run_dir or config.run_name or given & {"run_dir", "run_name"})
+    if "run_name" in given and not config.run_name:
+        raise ConfigError("--run-name: must not be empty; leave it out for a timestamp")
+    if named:
+        return _plan_in(resolve_run_dir(recipe, config.run_name, config.run_dir), config,
+                        given, "the folder named by --run-name or --run-dir")
+    found = None if config.resume == "never" else newest_same_run(recipe, config)
+    if found is None:
+        config.run_dir = str(new_timestamp_folder(recipe))
+        why = ("--resume never: a new timestamped folder" if config.resume == "never"
+               else "no earlier run of these keys: a new timestamped folder")
+        return _plan_in(Path(config.run_dir), config, given, why)
+    report = report_if_complete(found, best, TRAIN_AGAIN) if config.resume == "auto" else None
+    if report is not None:
+        return ResumePlan(COMPLETE, found, "the newest run of these keys completed",
+                          source=config.resume, report=report)
+    say(f"continuing {found} (the newest run of this command; --resume never starts a new "
+        "one)")
+    config.run_dir = str(found)
+    return _plan_in(found, config, given, "the newest run of these keys")
+
+
+def _plan_in(run_dir: Path, config: RunConfig, given: set[str], where: str) -> ResumePlan:
+    """The plan once the folder is known: continue what it holds, or start afresh."""
+    if config.resume == "never":
+        if any(path.suffix in (".pt", ".dcp") for path in (run_dir / "checkpoints").glob("*")):
+            raise ConfigError(f"--resume never: {run_dir} already holds checkpoints; use "
+                              "--resume auto to continue it or another --run-name to start "
+                              "anew")
+        return _fresh(run_dir, config, given, f"{where}; --resume never")
+    saved = without_requests(read_saved_config(run_dir)
+                             or saved_in_checkpoints(run_dir / "checkpoints"))
+    if saved is None:
+        return _fresh(run_dir, config, given, f"{where} holds no run")
+    overrides = resume_overrides(saved["config"], config, given)
+    source = ("the checkpoint given by --resume" if config.resume != "auto"
+              else "its newest checkpoint that verifies, if any")
+    return ResumePlan(CONTINUE, run_dir, f"{where} holds run {saved['run_id']}: from {source}",
+                      source=config.resume, run_id=saved["run_id"], saved=saved,
+                      overrides=overrides, **_init_from(run_dir, config, given))
+
+
+def _fresh(run_dir: Path, config: RunConfig, given: set[str], why: str) -> ResumePlan:
+    return ResumePlan(FRESH, run_dir, why, source=config.resume, run_id=new_run_id(),
+                      **_init_from(run_dir, config, given))
+
+
+def _init_from(run_dir: Path, config: Any, given: set[str]) -> dict[str, str]:
+    """``--init-from`` when this start takes it, else why a given one is ignored."""
+    if fresh_init_from(config, run_dir):
+        return {"init_from": config.init_from}
+    if "init_from" in given and config.init_from:
+        source = (f"--resume {config.resume}" if config.resume not in ("auto", "never")
+                  else f"the checkpoints of {run_dir}, which already started")
+        return {"init_ignored": f"--init-from ignored: this run resumes from {source}"}
+    return {}
+
+
+def fresh_init_from(config: Any, run_dir: Path) -> str:
+    """The ``--init-from`` weights of a start in ``run_dir``, or "" when it does not take
+    them: not given, ``--resume <file>``, or the folder holds a committed checkpoint
+    (``last.pt``, ``last.dcp`` or a sidecar: a first save killed before its sidecar leaves
+    none). The modes that train no run (``--lr-find``, ``--describe``) ask this alone."""
+    folder = run_dir / "checkpoints"
+    started = checkpoint_in(folder, "last") is not None or any(folder.glob("*.json"))
+    return config.init_from if (config.init_from and config.resume in ("auto", "never")
+                                and not started) else ""

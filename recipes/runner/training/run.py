@@ -1,0 +1,57 @@
+"""The run layer's entry: ``run(recipe, config, given)`` trains here, in ``--nproc`` spawned
+processes, or as one process of torchrun's group.
+
+One start, in order (a file each): the resume plan decides what this start does
+(``resume_plan.py``); the start checks refuse what cannot run before anything is written,
+then lock and write the run folder (``start_checks.py``); the processes start (``launch.py``,
+``group.py``); each builds the parts and trains (``build.py``, ``train.py``); rank 0 writes
+the summary (``summary.py``). The modes that train no run are in ``modes.py``. Exit codes:
+0 done, 2 user error (nothing written), 3 non-finite gradients or loss spikes that a rollback
+did not cure, 4 a checkpoint could not be written, 130/143 after Ctrl-C/SIGTERM.
+"""
+
+import dataclasses
+
+import ignite.distributed as idist
+
+from handlers.graceful_stop import EXIT_CODES as STOP_EXIT_CODES
+from recipes.runner.api import Recipe
+from recipes.runner.config.registry import recipe_ref
+from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.console import say
+from recipes.runner.training.continue_run import continue_command
+from recipes.runner.training.cost import check_recipe_keys
+from recipes.runner.training.elastic import warn_if_store_shared
+from recipes.runner.training.group import join_group, train_process
+from recipes.runner.training.launch import exit_process, launched_by_torchrun, spawn
+from recipes.runner.training.modes import overfit_run
+from recipes.runner.training.resume_plan import COMPLETE, plan_resume
+from recipes.runner.training.start_checks import launch_of, locked_setup
+from recipes.runner.training.train import train
+
+
+def run(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
+    """Train here, in ``--nproc`` spawned processes, or as one of the processes of torchrun."""
+    check_recipe_keys(recipe, config)
+    if config.overfit_batches:
+        return overfit_run(recipe, config)
+    if launched_by_torchrun():
+        warn_if_store_shared()
+        with idist.Parallel(backend=launch_of(config).backend):  # joins torchrun's group
+            exit_code = join_group(recipe, config, given)
+        exit_process(exit_code)
+    plan = plan_resume(recipe.name, recipe.best, config, given)
+    if plan.action == COMPLETE:
+        say(plan.report)
+        return 0
+    with locked_setup(recipe, config, plan) as (started, lock):
+        if config.nproc == 1:
+            exit_code = train(recipe, config, started)
+        else:  # every process holds the lock too: it outlives this one if this is killed
+            exit_code = spawn(train_process, recipe_ref(recipe), dataclasses.asdict(config),
+                              started.run_dir, started.run_id, started.fingerprint,
+                              started.init_from, nproc=config.nproc,
+                              backend=launch_of(config).backend, lock=lock)
+    if exit_code in STOP_EXIT_CODES.values():  # stopped by a signal once its step was saved
+        say(f"stopped; to continue this run: {continue_command()}")
+    return exit_code

@@ -1,0 +1,39 @@
+"""The end of a run, on rank 0: the closing lines, ``summary.json`` (with the environment
+record) and the training curves."""
+
+from typing import Any
+
+from engine import Trainer
+from recipes.runner.api import Recipe
+from recipes.runner.console import warn
+from recipes.runner.training.curves import plot_curves
+from recipes.runner.training.folder import write_json_atomic
+from recipes.runner.training.report import print_closing
+from recipes.runner.training.standard_handlers import StandardHandlers
+from recipes.runner.training.start_checks import Started
+
+
+def write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
+                  started: Started, status: str, environment: dict[str, Any], *,
+                  disk_error_told: bool = False) -> int:
+    """Print the closing lines, write ``summary.json`` (with the environment record) and the
+    curves; 4 when the disk refuses them, with an error line unless ``disk_error_told``: the
+    run's one line already said that the disk refused a checkpoint or the logs."""
+    history, early_stopping = handlers.history, handlers.early_stopping
+    history.stopped_early = bool(early_stopping and early_stopping.stopped_early)
+    summary = {"status": status, "run_id": started.run_id, **history.summary(trainer)}
+    if handlers.spike_guard is not None:
+        summary |= handlers.spike_guard.summary()
+    summary |= handlers.cost.summary(summary["samples_per_sec"])
+    print_closing(recipe.name, summary, started.run_dir, handlers)
+    summary["environment"] = environment
+    try:  # the disk that failed a checkpoint may fail these too: the checkpoints matter
+        write_json_atomic(started.run_dir / "summary.json", summary)
+        plot_curves(history, started.run_dir / "curves.png",
+                    title=f"{recipe.name} {started.run_dir.name}")
+    except OSError as error:
+        if not disk_error_told:
+            warn(f"error: could not write the summary or curves in {started.run_dir}: "
+                 f"{error.strerror or error}")
+        return 4
+    return 0

@@ -1,0 +1,111 @@
+"""The run itself, in each process: build it, load the checkpoint its plan names, train to
+the end (or to a stop), and on rank 0 write the summary. Exit codes: 0 done, 3 non-finite
+gradients or loss spikes that a rollback did not cure, 4 a checkpoint could not be written,
+130/143 after Ctrl-C/SIGTERM."""
+
+import math
+
+import ignite.distributed as idist
+
+from engine import NonFiniteGradientError, Trainer, resolve_precision
+from handlers import CheckpointError, continue_with_new_settings
+from handlers.lr_scheduling import set_new_peak_lr
+from handlers.spike_guard import LossSpikeError
+from recipes.runner.api import Recipe
+from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.console import say, warn
+from recipes.runner.training.build import build_run
+from recipes.runner.training.environment import environment_record
+from recipes.runner.training.launch import process_device
+from recipes.runner.training.report import print_header
+from recipes.runner.training.standard_handlers import StandardHandlers
+from recipes.runner.training.start_checks import Started
+from recipes.runner.training.strategy import strategy_line
+from recipes.runner.training.summary import write_summary
+from recipes.runner.training.tracking import close_tracker, open_tracker, tracker_sinks
+
+
+def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
+    rank, world = idist.get_rank(), idist.get_world_size()
+    tracker = (open_tracker(recipe.name, config, started.run_dir, started.run_id)
+               if rank == 0 else None)
+    trainer, _, parts, handlers = build_run(recipe, config, started, tracker_sinks(tracker))
+    if rank == 0:
+        print_header(recipe, config, started.run_dir, started.data, parts.model)
+        if config.strategy == "fsdp":
+            say(strategy_line(resolve_precision(config.precision, config.device), world))
+    # config.resume is the plan's source (resume_plan.py): the checkpointer verifies it, or
+    # for "auto" the candidates newest first, and loads the first that verifies.
+    info = handlers.checkpointer.resume(config.resume) if rank == 0 else None
+    if world > 1:  # rank 0 picked the file (and cleared stale temp files); all load that one
+        chosen = idist.broadcast(str(info.path) if info is not None else "never", src=0)
+        info = handlers.checkpointer.resume(chosen) if rank > 0 else info
+    if info is not None and rank == 0:
+        for name, reason in info.rejected:
+            warn(f"skipped checkpoint {name}: {reason}")
+        epoch = math.ceil(trainer.state.iteration / len(parts.train_batches))  # in progress
+        say(f"resumed from {info.path} (epoch {epoch}, "
+            f"iteration {trainer.state.iteration}, step {trainer.state.optimizer_step})")
+    epoch_length = len(parts.train_batches)
+    early_stopping = handlers.early_stopping
+    # A run killed after its final save, or started again once done, has nothing left to
+    # train: Ignite would restart a finished state at iteration 0, on the trained weights.
+    finished = info is not None and (
+        trainer.state.iteration >= config.epochs * epoch_length
+        or bool(early_stopping and early_stopping.stopped_early))
+    if finished and rank == 0:
+        say("the run is already complete: nothing left to train")
+        handlers.end_again(trainer)
+    if info is not None and not finished:
+        _follow_new_lr_and_length(config, info.meta.get("config") or {}, trainer, handlers,
+                                  epoch_length)
+    status, exit_code = "completed", 0
+    batches = parts.train_batches
+    batches = batches.bind(trainer) if hasattr(batches, "bind") else batches
+    try:
+        if not finished:
+            trainer.run(batches, max_epochs=config.epochs)
+    except (NonFiniteGradientError, LossSpikeError) as error:  # every rank, the same step
+        status, exit_code = f"stopped: {error}", 3
+        if rank == 0:
+            warn(f"error: {error}")
+    except CheckpointError as error:  # a save failed (disk full, permission, read-only folder)
+        status, exit_code = f"stopped: {error}", 4  # not a usage error: 2 is for those
+        if rank == 0:  # every rank raises it (RankZeroSave); rank 0 has the cause
+            warn(f"error: {error}")
+    except BrokenPipeError:
+        raise  # the reader of stdout has gone: the command line ends quietly (141)
+    except OSError as error:  # rank 0's logs (metrics.jsonl) refused at an evaluation or end
+        status, exit_code = f"stopped: could not write the run's logs: {error}", 4
+        warn(f"error: could not write the run's logs: {error}")
+    finally:
+        handlers.stop.restore()
+        if handlers.logger is not None:  # flushes what an exception left unwritten
+            handlers.logger.close()
+    stop = handlers.stop
+    if stop.exit_code is not None and exit_code == 0:  # a failed save outranks the signal
+        status, exit_code = f"interrupted by {stop.received.name}", stop.exit_code
+    elif handlers.budget is not None and handlers.budget.reason and exit_code == 0:
+        status = f"stopped by {handlers.budget.reason}"  # by request: exit 0
+    if rank == 0:
+        environment = environment_record(process_device(config.device), world)
+        exit_code = write_summary(recipe, trainer, handlers, started, status, environment,
+                                  disk_error_told=exit_code == 4) or exit_code
+        close_tracker(tracker, status, started.run_dir)
+    return exit_code
+
+
+def _follow_new_lr_and_length(config: RunConfig, saved: dict, trainer: Trainer,
+                              handlers: StandardHandlers, epoch_length: int) -> None:
+    """The resume rule for ``--lr`` and ``--epochs`` (docs/reliability.md, "Resuming"): the LR
+    schedule becomes the one a fresh run with the new values would follow, from the step reached."""
+    trainer.state.max_epochs = config.epochs  # else Ignite restarts a run that was done
+    if (saved.get("lr"), saved.get("epochs")) == (config.lr, config.epochs):
+        return
+    if handlers.scheduler is None:
+        set_new_peak_lr(trainer.optimizer, old_lr=saved.get("lr", config.lr), new_lr=config.lr)
+        return
+    continue_with_new_settings(handlers.scheduler, handlers.make_scheduler,
+                               old_lr=saved.get("lr", config.lr), new_lr=config.lr,
+                               optimizer_steps=trainer.state.optimizer_step,
+                               epochs_completed=trainer.state.iteration // epoch_length)
