@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 import torch
 from ignite.engine import Engine, Events
+from tqdm import tqdm
 
 from engine import Trainer
 from handlers.arguments import check_int, check_number
@@ -67,7 +68,11 @@ class StartupChecks:
 
     def _say(self, line: str) -> None:
         self.findings.append(line)
-        print(f"check: {line}", file=self.stream or sys.stdout, flush=True)
+        # Through tqdm: on a terminal the progress bar is cleared, the line written, the bar
+        # drawn again below it (a plain print wrote over the bar); elsewhere a plain line.
+        stream = self.stream or sys.stdout
+        tqdm.write(f"check: {line}", file=stream)
+        stream.flush()
 
     def _check_batch(self, trainer: Engine) -> None:
         trainer.remove_event_handler(self._check_batch, Events.GET_BATCH_COMPLETED)

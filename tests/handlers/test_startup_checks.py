@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from engine import create_trainer
 from handlers.startup_checks import StartupCheckError, StartupChecks
@@ -105,3 +106,18 @@ def test_the_checks_leave_the_trainer_after_the_first_iteration_of_each_run(
 def test_bad_arguments_are_named(kwargs, named):
     with pytest.raises(ValueError, match=named):
         StartupChecks(**kwargs)
+
+
+def test_a_check_line_is_written_above_an_open_progress_bar():
+    """Through tqdm.write: the bar is cleared, the line written, the bar drawn again below;
+    a plain print would write over the bar's line."""
+    terminal = io.StringIO()
+    bar = tqdm(total=10, file=terminal, ascii=True)
+    bar.update(3)
+    checks = StartupChecks(4, stream=terminal)
+    checks._say("first loss 1.386, near ln(4) = 1.386: ok")
+    bar.close()
+    written = terminal.getvalue()
+    before, line, after = written.partition("check: first loss 1.386, near ln(4) = 1.386: ok\n")
+    assert line, written
+    assert before.endswith("\r") and "3/10" in after  # the bar cleared first, drawn again after
