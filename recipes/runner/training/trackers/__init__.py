@@ -18,6 +18,8 @@ package: the table is read while the command line is checked.
 """
 
 import importlib
+import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,3 +64,25 @@ def check_tracker(config: Any, run_dir: Path) -> None:
 def start_tracker(config: Any, run: TrackedRun) -> Tracker | None:
     """The chosen tracker's run, or None (``--tracker none``, or it could not be reached)."""
     return None if config.tracker == "none" else _module(config.tracker).start(run)
+
+
+def unwritable(path: Path) -> str | None:
+    """Why ``path`` (a folder to write in, made if missing) cannot be written, else None:
+    a tracker's ``check`` names it before anything is written."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+def saved_state(file: Path) -> dict[str, Any]:
+    """A tracker's state file in the run folder (the run a resume continues), or {} when
+    there is none yet or it cannot be read: a new tracker run."""
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}

@@ -25,7 +25,6 @@ scalars arrive as numbers through the scalar sink and go out in one ``log_batch`
 """
 
 import importlib.util
-import json
 import os
 import shlex
 from collections.abc import Mapping
@@ -37,7 +36,7 @@ from urllib.request import url2pathname
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.console import warn
 from recipes.runner.training.folder import write_json_atomic
-from recipes.runner.training.trackers import TrackedRun
+from recipes.runner.training.trackers import TrackedRun, saved_state, unwritable
 
 DEFAULT_STORE = "mlruns"  # in the working directory, beside runs/
 URI_VARIABLE = "MLFLOW_TRACKING_URI"  # MLflow's own: after --tracker-uri, before the rest
@@ -63,7 +62,7 @@ def check(config: Any, run_dir: Path) -> None:
     if uri.startswith("sqlite:") and importlib.util.find_spec("sqlalchemy") is None:
         raise ConfigError(f"{named}: MLflow's database store needs SQLAlchemy "
                           "(pip install mlflow); or give a folder for its file store")
-    problem = None if path is None else _unwritable(path.parent if uri.startswith("sqlite:")
+    problem = None if path is None else unwritable(path.parent if uri.startswith("sqlite:")
                                                      else path)
     if problem:
         raise ConfigError(f"{named}: {problem}")
@@ -73,8 +72,8 @@ def tracking_uri(given: str, run_dir: Path) -> str:
     """``given``, else ``MLFLOW_TRACKING_URI`` (MLflow's own way of naming the store), else
     the URI in the run folder's ``mlflow.json``, else ``mlruns/`` here; a folder becomes an
     absolute ``file:`` URI (a resume from elsewhere finds the same store)."""
-    uri = (given or os.environ.get(URI_VARIABLE) or _saved(run_dir).get("tracking_uri")
-           or DEFAULT_STORE)
+    uri = (given or os.environ.get(URI_VARIABLE)
+           or saved_state(run_dir / STATE_FILE).get("tracking_uri") or DEFAULT_STORE)
     if urlparse(uri).scheme in ("", "file"):
         return _local_path(uri).as_uri()
     return uri
@@ -92,23 +91,6 @@ def _local_path(uri: str) -> Path | None:
     return None
 
 
-def _unwritable(path: Path) -> str | None:
-    """Why ``path`` (a folder to write in, made if missing) cannot be written, else None."""
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is not a folder"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
-    return None
-
-
-def _saved(run_dir: Path) -> dict[str, Any]:
-    try:
-        return json.loads((run_dir / STATE_FILE).read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: a new MLflow run
-        return {}
 
 
 def start(run: TrackedRun) -> "MlflowTracker | None":
@@ -123,7 +105,8 @@ def start(run: TrackedRun) -> "MlflowTracker | None":
 
     try:
         client = MlflowClient(tracking_uri=uri)
-        run_id = _continued(client, uri, _saved(run.run_dir)) or _new_run(client, run)
+        saved = saved_state(run.run_dir / STATE_FILE)
+        run_id = _continued(client, uri, saved) or _new_run(client, run)
         _log_params_and_tags(client, run_id, run)
     except Exception as error:  # noqa: BLE001 - any failure of the tracker: the run goes on
         _warn(f"cannot log to {uri} ({_one_line(error)}); the run goes on without MLflow")

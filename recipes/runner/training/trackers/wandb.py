@@ -22,7 +22,6 @@ W&B's capture of the console is off (the run's own output, tqdm included, stays 
 and so is its reading of git (the run folder is no checkout; the revision is in the config).
 """
 
-import json
 import os
 import shlex
 from collections.abc import Mapping
@@ -32,7 +31,7 @@ from typing import Any
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.console import warn
 from recipes.runner.training.folder import write_json_atomic
-from recipes.runner.training.trackers import TrackedRun
+from recipes.runner.training.trackers import TrackedRun, saved_state, unwritable
 
 STATE_FILE = "wandb.json"  # in the run folder: the W&B run that a resume continues
 STEP_METRIC = "optimizer_step"  # the x axis of every scalar
@@ -59,7 +58,7 @@ def check(config: Any, run_dir: Path) -> None:
         raise ConfigError(f"--tracker wandb: WANDB_MODE={mode!r} is not one of "
                           f"{', '.join(MODES)}")
     folder = wandb_dir(config.tracker_uri, run_dir)
-    problem = _unwritable(folder)
+    problem = unwritable(folder)
     if problem:
         raise ConfigError(f"--tracker wandb: cannot write W&B's files in {folder}: {problem}")
 
@@ -68,28 +67,11 @@ def wandb_dir(given: str, run_dir: Path) -> Path:
     """The folder W&B writes its ``wandb/`` folder in: ``given``, else ``WANDB_DIR``, else
     the one in the run folder's ``wandb.json``, else the run folder (absolute: a resume from
     elsewhere finds the same one)."""
-    chosen = (given or os.environ.get("WANDB_DIR") or _saved(run_dir).get("dir")
+    chosen = (given or os.environ.get("WANDB_DIR") or saved_state(run_dir / STATE_FILE).get("dir")
               or str(run_dir))
     return Path(chosen).expanduser().resolve()
 
 
-def _unwritable(path: Path) -> str | None:
-    """Why ``path`` (a folder to write in, made if missing) cannot be written, else None."""
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is not a folder"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
-    return None
-
-
-def _saved(run_dir: Path) -> dict[str, Any]:
-    try:
-        return json.loads((run_dir / STATE_FILE).read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: a new W&B run
-        return {}
 
 
 def start(run: TrackedRun) -> "WandbTracker | None":
@@ -98,7 +80,7 @@ def start(run: TrackedRun) -> "WandbTracker | None":
     import wandb
 
     folder = wandb_dir(run.config.get("tracker_uri", ""), run.run_dir)
-    saved = _saved(run.run_dir)
+    saved = saved_state(run.run_dir / STATE_FILE)
     mode = os.environ.get("WANDB_MODE", DEFAULT_MODE)
     meta = {"recipe": run.recipe, "run_id": run.run_id, "run_dir": str(run.run_dir.resolve())}
     if run.git:
