@@ -34,6 +34,7 @@ from recipes.runner import (
     load_recipe,
     parse_command_line,
     recipe_keys,
+    source_run,
 )
 
 # A process that a closed pipe stops (`... --help | head -1`) exits as if SIGPIPE had
@@ -78,14 +79,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands = {"--describe", "--lr-find", "--print-config"} & set(rest)
         if len(commands) > 1:
             raise ConfigError(f"{' and '.join(sorted(commands))}: give one of them")
-        config, given = parse_command_line(keys.config,
-                                           [arg for arg in rest if arg not in commands])
+        argv = [arg for arg in rest if arg not in commands]
+        config, given = parse_command_line(keys.config, argv)
+        keys_from = source_run(keys.config, argv)
     except ConfigError as err:
         return _user_error(err)
     if "--print-config" in commands:  # before torch loads: nothing is run or written
         print(config_toml(config, keys.name), end="")
         return 0
-    return _with_torch(_train, name, config, given, commands)
+    return _with_torch(_train, name, config, given, commands, keys_from)
 
 
 def _with_torch(action: Callable[..., int], *args: Any) -> int:
@@ -105,7 +107,8 @@ def _run_command(name: str, rest: list[str]) -> int:
     return run_command(load_recipe(name), rest[0], rest[1:])
 
 
-def _train(name: str, config: Any, given: set[str], commands: set[str]) -> int:
+def _train(name: str, config: Any, given: set[str], commands: set[str], keys_from: str
+           ) -> int:
     from recipes.runner import describe_run, find_lr_run, run
 
     recipe = load_recipe(name)
@@ -114,7 +117,7 @@ def _train(name: str, config: Any, given: set[str], commands: set[str]) -> int:
         return 0
     if "--lr-find" in commands:
         return find_lr_run(recipe, config)
-    return run(recipe, config, given)
+    return run(recipe, config, given, keys_from)
 
 
 def _user_error(err: Exception) -> int:

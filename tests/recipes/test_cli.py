@@ -400,7 +400,8 @@ def test_tiny_run_console_opens_with_the_run_and_ends_with_the_best_and_what_nex
         f"  summary  {folder}/summary.json",
         "  curves   make tensorboard (then open http://127.0.0.1:6006)",
         f"  evaluate {PYTHON} -m recipes cifar evaluate {folder}",
-        f"  longer   {PYTHON} -m recipes cifar --run-dir {folder} --epochs 4 (continues this run)"]
+        f"  longer   {PYTHON} -m recipes cifar --run-dir {folder} --epochs 4 (continues this "
+        "run, its LR schedule re-planned for 4 epochs)"]
     assert "{" not in result.stdout  # the raw numbers stay in summary.json
 
 

@@ -251,7 +251,7 @@ def resume_overrides(saved: dict[str, Any], config: Any, given: set[str]) -> lis
         old, new = saved[spec.name], getattr(config, spec.name)
         if spec.name not in given:
             setattr(config, spec.name, old)
-        elif old != new:
+        elif old != new and spec.name not in ("run_dir", "run_name"):  # where, not what
             if spec.metadata.get("fixed_on_resume"):
                 raise ConfigError(
                     f"{flag_name(spec.name)}: cannot change on resume ({old!r} -> {new!r}); it "

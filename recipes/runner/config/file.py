@@ -11,7 +11,8 @@ overrides the saved run's value (or is refused, for a key fixed on resume).
 A run folder's ``config.json`` is a config file too: its ``config`` table holds the keys,
 and what only describes that run (its id, folder, data fingerprint, environment record)
 is ignored with one note, so that the same keys start a new run (another ``--seed``,
-``--run-name``, ...).
+``--run-name``, ...). Without a folder named, that start never continues the run the file
+came from (``source_run``): it trains a run of its own, which the same command continues.
 
 YAML is not read: flat scalar keys need nothing TOML lacks, and YAML's implicit typing
 turns ``1e-3`` into a string (PyYAML) and ``no`` into false, the mistakes this file's
@@ -64,6 +65,17 @@ def parse_command_line(config_cls: type, argv: Sequence[str]) -> tuple[Any, set[
     return parse_args(config_cls, args, base)
 
 
+def source_run(config_cls: type, argv: Sequence[str]) -> str:
+    """The run id of the run folder's ``config.json`` that ``--config`` names, else "": a
+    start without a folder of its own must not continue that run (it is the source of the
+    keys, not the run). Call it after ``parse_command_line`` has accepted ``argv``."""
+    path = _take_config_option(list(argv))[1]
+    if path is None:
+        return ""
+    table = _parse(path, _read_text(path))
+    return str(table["run_id"]) if _is_run_record(table, config_cls) else ""
+
+
 def _take_config_option(args: list[str]) -> tuple[list[str], str | None]:
     """The arguments without ``--config FILE`` (or ``--config=FILE``), and FILE."""
     rest, path = [], None
@@ -91,8 +103,9 @@ def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
     table = _parse(path, text)
     keys, ignored = _keys_of(table, config_cls)
     if ignored and os.environ.get("RANK", "0") == "0":  # once under torchrun
-        warn(f"note: {path} is a run folder's config.json: ignoring {', '.join(ignored)} "
-             "(they describe that run; this one gets its own)")
+        warn(f"note: {path} is run {table['run_id']}'s config.json: taking its keys, not its "
+             f"run (ignoring {', '.join(ignored)}); to continue that run itself: --run-dir "
+             f"{Path(path).parent}")
     fields = {spec.name: spec for spec in dataclasses.fields(config_cls)}
     hints = typing.get_type_hints(config_cls)
     values: dict[str, Any] = {}
@@ -208,9 +221,7 @@ def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _keys_of(table: dict[str, Any], config_cls: type) -> tuple[dict[str, Any], list[str]]:
     """The keys of a config file, and what of a run folder's config.json was left out."""
-    is_run_record = (isinstance(table.get("config"), dict) and "run_id" in table
-                     and "config" not in {spec.name for spec in dataclasses.fields(config_cls)})
-    if not is_run_record:
+    if not _is_run_record(table, config_cls):
         return table, []
     outside = {key: value for key, value in table.items()
                if key != "config" and key not in RUN_RECORD}
@@ -218,6 +229,13 @@ def _keys_of(table: dict[str, Any], config_cls: type) -> tuple[dict[str, Any], l
     ignored = ([key for key in table if key in RUN_RECORD]
                + [key for key in table["config"] if key in RUN_PLACE])
     return {**outside, **keys}, ignored
+
+
+def _is_run_record(table: dict[str, Any], config_cls: type) -> bool:
+    """A run folder's config.json: its keys under ``config`` beside the run's id (unless the
+    recipe has a key of that name)."""
+    return (isinstance(table.get("config"), dict) and "run_id" in table
+            and "config" not in {spec.name for spec in dataclasses.fields(config_cls)})
 
 
 def _typed(name: str, value: Any, annotation: Any) -> Any:

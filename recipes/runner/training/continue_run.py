@@ -52,25 +52,28 @@ def _run_keys(config: RunConfig) -> dict[str, Any]:
     return {key: value for key, value in keys.items() if key not in RUN_REQUESTS}
 
 
-def _saved_config(run_dir: Path) -> dict[str, Any] | None:
-    """The keys in ``run_dir/config.json``, or None when it is missing or unreadable (a
-    run named on the command line then gets the run layer's own error for it)."""
+def _saved_run(run_dir: Path) -> tuple[str, dict[str, Any]] | None:
+    """The run id and keys in ``run_dir/config.json``, or None when it is missing or
+    unreadable (a run named on the command line then gets the run layer's own error for it)."""
     try:
-        return json.loads((run_dir / "config.json").read_text())["config"]
+        saved = json.loads((run_dir / "config.json").read_text())
+        return str(saved.get("run_id", "")), dict(saved["config"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def newest_same_run(recipe: str, config: RunConfig) -> Path | None:
-    """The newest timestamped folder of ``recipe`` started with the same keys, if any."""
+def newest_same_run(recipe: str, config: RunConfig, not_run: str = "") -> Path | None:
+    """The newest timestamped folder of ``recipe`` started with the same keys, if any, other
+    than run ``not_run``'s (the run whose config.json gave the keys)."""
     root = resolve_run_dir(recipe, "unused", "").parent
     folders = [path for path in root.iterdir() if TIMESTAMP.fullmatch(path.name)] \
         if root.is_dir() else []
     wanted = _run_keys(config)
     for folder in sorted(folders, key=_age, reverse=True):
-        saved = _saved_config(folder)
-        if saved is not None and {key: value for key, value in saved.items()
-                                  if key not in RUN_REQUESTS} == wanted:
+        saved = _saved_run(folder)
+        if saved is not None and not (not_run and saved[0] == not_run) and {
+                key: value for key, value in saved[1].items()
+                if key not in RUN_REQUESTS} == wanted:
             return folder
     return None
 

@@ -23,14 +23,15 @@ from recipes.runner.training.start_checks import Started, setup
 from recipes.runner.training.train import train
 
 
-def join_group(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
+def join_group(recipe: Recipe, config: RunConfig, given: set[str], keys_from: str = ""
+               ) -> int:
     """Rank 0 plans the start (the same command again continues its run), checks everything,
     locks and writes the folder, then tells every rank the run (or that it is already
     complete, so that all exit 0, or the user error, so that all exit 2); each trains."""
     started, lock = "", None
     if idist.get_rank() == 0:
         try:
-            plan = plan_resume(recipe.name, recipe.best, config, given)
+            plan = plan_resume(recipe.name, recipe.best, config, given, keys_from)
             if plan.action == COMPLETE:
                 started = json.dumps({"complete": plan.report})
             else:

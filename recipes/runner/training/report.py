@@ -111,5 +111,6 @@ def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
                      "<more, or none> (continues this run)")
     if status == "completed" and not summary["stopped_early"]:  # a stopped run: run.py's line
         lines.append(f"  longer   {recipes_command(recipe_name)} --run-dir {run_dir} "
-                     f"--epochs {2 * epochs} (continues this run)")
+                     f"--epochs {2 * epochs} (continues this run, its LR schedule "
+                     f"re-planned for {2 * epochs} epochs)")
     return lines

@@ -13,7 +13,9 @@ The rules (README, "Resuming"):
 - torchrun restarted the group: ``--resume auto``, whatever the first start asked (a file
   would go back to an older step, ``never`` would start the run over; ``elastic.py``);
 - a command that names no folder continues the newest run of the same keys
-  (``continue_run.py``), or reports it complete; ``--resume never`` starts a new one;
+  (``continue_run.py``), or reports it complete; ``--resume never`` starts a new one; keys
+  taken from a run folder's config.json never find that run itself (they start one of
+  their own, which the same command then continues);
 - ``--resume never`` refuses a folder that holds checkpoints (it would mix two runs);
 - a folder with a ``config.json`` (or a checkpoint that holds its copy) continues that run:
   its run id, its keys unless given again (``override:`` lines), its data;
@@ -63,11 +65,14 @@ class ResumePlan:
     report: str = ""
 
 
-def plan_resume(recipe: str, best: str, config: RunConfig, given: set[str]) -> ResumePlan:
+def plan_resume(recipe: str, best: str, config: RunConfig, given: set[str],
+                keys_from: str = "") -> ResumePlan:
     """Decide this start (see the module's rules) and settle ``config`` to it: ``run_dir``
     when the folder was found by the keys, ``resume`` when a restart overrides it, and the
-    saved keys a continued run takes back. Raises ``ConfigError`` for a start that cannot be
-    carried out; prints what it chose (a restart's override, a run found by its keys)."""
+    saved keys a continued run takes back. ``keys_from``: the id of the run whose
+    config.json gave the keys, never continued unless named. Raises ``ConfigError`` for a
+    start that cannot be carried out; prints what it chose (a restart's override, a run found
+    by its keys)."""
     if launched_by_torchrun() and restart_count() and config.resume != "auto":
         say(f"torchrun restart {restart_count()}: --resume {config.resume} becomes auto "
             "(the newest good checkpoint of the run)")
@@ -78,7 +83,7 @@ def plan_resume(recipe: str, best: str, config: RunConfig, given: set[str]) -> R
     if named:
         return _plan_in(resolve_run_dir(recipe, config.run_name, config.run_dir), config,
                         given, "the folder named by --run-name or --run-dir")
-    found = None if config.resume == "never" else newest_same_run(recipe, config)
+    found = None if config.resume == "never" else newest_same_run(recipe, config, keys_from)
     if found is None:
         config.run_dir = str(new_timestamp_folder(recipe))
         why = ("--resume never: a new timestamped folder" if config.resume == "never"

@@ -30,17 +30,18 @@ from recipes.runner.training.start_checks import launch_of, locked_setup
 from recipes.runner.training.train import train
 
 
-def run(recipe: Recipe, config: RunConfig, given: set[str]) -> int:
-    """Train here, in ``--nproc`` spawned processes, or as one of the processes of torchrun."""
+def run(recipe: Recipe, config: RunConfig, given: set[str], keys_from: str = "") -> int:
+    """Train here, in ``--nproc`` spawned processes, or as one of the processes of torchrun.
+    ``keys_from``: the run whose config.json gave the keys (``config.file.source_run``)."""
     check_recipe_keys(recipe, config)
     if config.overfit_batches:
         return overfit_run(recipe, config)
     if launched_by_torchrun():
         warn_if_store_shared()
         with idist.Parallel(backend=launch_of(config).backend):  # joins torchrun's group
-            exit_code = join_group(recipe, config, given)
+            exit_code = join_group(recipe, config, given, keys_from)
         exit_process(exit_code)
-    plan = plan_resume(recipe.name, recipe.best, config, given)
+    plan = plan_resume(recipe.name, recipe.best, config, given, keys_from)
     if plan.action == COMPLETE:
         say(plan.report)
         return 0

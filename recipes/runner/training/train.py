@@ -102,6 +102,7 @@ def _follow_new_lr_and_length(config: RunConfig, saved: dict, trainer: Trainer,
     trainer.state.max_epochs = config.epochs  # else Ignite restarts a run that was done
     if (saved.get("lr"), saved.get("epochs")) == (config.lr, config.epochs):
         return
+    reached = trainer.optimizer.param_groups[0]["lr"]
     if handlers.scheduler is None:
         set_new_peak_lr(trainer.optimizer, old_lr=saved.get("lr", config.lr), new_lr=config.lr)
         return
@@ -109,3 +110,18 @@ def _follow_new_lr_and_length(config: RunConfig, saved: dict, trainer: Trainer,
                                old_lr=saved.get("lr", config.lr), new_lr=config.lr,
                                optimizer_steps=trainer.state.optimizer_step,
                                epochs_completed=trainer.state.iteration // epoch_length)
+    if idist.get_rank() == 0:
+        say(replanned_line(saved, config, trainer.state.optimizer_step, reached,
+                           trainer.optimizer.param_groups[0]["lr"], handlers.scheduler.clock))
+
+
+def replanned_line(saved: dict, config: RunConfig, step: int, reached: float, now: float,
+                   clock: str) -> str:
+    """The line that says what a new ``--lr`` or ``--epochs`` did to the LR schedule: the
+    ``override:`` line names the key, this one the LR the next step takes (a run extended
+    after its schedule had decayed goes back up to where a longer run would be)."""
+    changed = ", ".join(f"--{key} {saved.get(key)} -> {getattr(config, key)}"
+                        for key in ("epochs", "lr") if saved.get(key) != getattr(config, key))
+    how = ("the LR plateau had reached, times the new --lr over the old" if clock == "metric"
+           else "where a fresh run with these values would be")
+    return f"LR schedule: {changed}: from step {step} on, lr {reached:.4g} -> {now:.4g} ({how})"

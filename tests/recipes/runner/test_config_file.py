@@ -16,7 +16,12 @@ import pytest
 
 from recipes.__main__ import main
 from recipes.runner.config.command_line import ConfigError, flag_name, help_text
-from recipes.runner.config.file import REQUESTS, config_toml, parse_command_line
+from recipes.runner.config.file import (
+    REQUESTS,
+    config_toml,
+    parse_command_line,
+    source_run,
+)
 from recipes.runner.config.interpreter import interpreter
 from recipes.runner.config.registry import find_recipes, recipe_keys
 from recipes.runner.training.resume_request import REQUEST_KEYS
@@ -80,9 +85,11 @@ def test_a_run_folders_config_json_gives_its_keys_and_one_note_on_what_it_ignore
     assert (config.run_name, config.run_dir) == ("", "")  # its folder is not this run's
     assert {"run_name", "run_dir"}.isdisjoint(given) and {"epochs", "seed"} <= given
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"note: {path} is a run folder's config.json: ignoring run_id, data, "
-                   "environment, init_from, run_name, run_dir (they describe that run; this "
-                   "one gets its own)"]
+    assert err == [f"note: {path} is run abc's config.json: taking its keys, not its run "
+                   "(ignoring run_id, data, environment, init_from, run_name, run_dir); to "
+                   f"continue that run itself: --run-dir {path.parent}"]
+    assert source_run(CIFAR, ["--config", str(path), "--seed", "1"]) == "abc"
+    assert source_run(CIFAR, ["--seed", "1"]) == ""
 
 
 def test_a_key_beside_a_run_folders_config_table_is_still_checked(tmp_path):

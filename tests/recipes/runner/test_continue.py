@@ -146,6 +146,23 @@ def test_a_new_folder_never_reuses_a_timestamp_taken_in_the_same_second(tmp_path
     assert config.run_dir == "runs/charlm/20260101-000000-3"
 
 
+def test_keys_from_a_runs_config_json_never_find_that_run_itself(tmp_path, monkeypatch):
+    """``--config runs/<run>/config.json`` gives that run's keys: the newest run of those keys
+    is the run itself, which this start must not continue or report (its note says it takes
+    the keys, not the run); an older run of the same keys, or the run this command started
+    before, is found as usual."""
+    monkeypatch.chdir(tmp_path)
+    recipe, config, given = charlm_config()
+    fake_run(tmp_path, "20260101-000000", config, "interrupted by SIGTERM")
+    fake_run(tmp_path, "20260102-000000", config, "completed")  # the config.json given
+
+    plan = plan_resume("charlm", recipe.best, config, given, keys_from="20260102-000000")
+    assert plan.action == CONTINUE and config.run_dir == "runs/charlm/20260101-000000"
+    _, config, _ = charlm_config()
+    assert plan_resume("charlm", recipe.best, config, given,
+                       keys_from="20260101-000000").action == "complete"
+
+
 def test_a_named_run_is_left_to_the_run_layer(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     recipe, config, given = charlm_config("--run-name", "mine")
@@ -166,6 +183,35 @@ def test_a_run_in_use_by_another_process_is_refused_by_its_lock(tmp_path, monkey
     out, err = capsys.readouterr()
     assert code == 2 and "is in use by" in err and "runs/charlm/20260101-000000" in err
     assert out.startswith("continuing runs/charlm/20260101-000000 ")
+
+
+def test_a_finished_runs_config_json_as_config_trains_a_run_of_its_own(tmp_path, monkeypatch,
+                                                                       capsys):
+    """The first start trains a new folder, leaving the source run as it was; the same
+    command again reports that new run complete, not the source."""
+    monkeypatch.chdir(tmp_path)
+    write_text(tmp_path / "text.txt")
+    assert main(CHARLM_IN_FOLDER) == 0
+    (source,) = run_folders(tmp_path)
+    before = digests(tmp_path / "runs" / "charlm" / source)
+    config_json = f"runs/charlm/{source}/config.json"
+    capsys.readouterr()
+
+    assert main(["charlm", "--config", config_json]) == 0
+    out, err = capsys.readouterr()
+    (new,) = set(run_folders(tmp_path)) - {source}
+    run_id = json.loads(Path(config_json).read_text())["run_id"]
+    assert err.splitlines()[0] == (
+        f"note: {config_json} is run {run_id}'s config.json: taking its keys, not its run "
+        "(ignoring data, environment, run_id, run_dir, run_name); to continue that run "
+        f"itself: --run-dir runs/charlm/{source}")
+    assert "completed: epoch 2/2" in out and "already complete" not in out
+    assert digests(tmp_path / "runs" / "charlm" / source) == before
+
+    assert main(["charlm", "--config", config_json]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"the run is already complete: runs/charlm/{new} ")
+    assert sorted(run_folders(tmp_path)) == sorted([source, new])
 
 
 def test_the_continue_command_leaves_out_the_resume_request(monkeypatch, tmp_path):

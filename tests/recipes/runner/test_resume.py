@@ -142,3 +142,24 @@ def test_a_longer_muon_run_resumed_ends_bit_identical_to_a_straight_one(tmp_path
     expected = final_weights(tmp_path / "straight")
     for name, tensor in final_weights(tmp_path / "resumed").items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def test_a_finished_run_given_more_epochs_says_how_far_its_lr_goes_back_up(tmp_path, capsys):
+    """--epochs 1 -> 2 after the schedule has decayed: the LR line names the change and the
+    LR the next step takes, the one a fresh 2-epoch run holds at that step (stopped there by
+    --max-steps)."""
+    run = [*CIFAR, "--device", "cpu", "--warmup-epochs", "0.5"]
+    assert main([*run, "--run-dir", str(tmp_path / "fresh"), "--epochs", "2",
+                 "--max-steps", "4"]) == 0
+    assert main([*run, "--run-dir", str(tmp_path / "run"), "--epochs", "1"]) == 0
+    decayed = read_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    capsys.readouterr()
+
+    assert main([*run, "--run-dir", str(tmp_path / "run"), "--epochs", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("LR schedule:")]
+    fresh = read_checkpoint(tmp_path / "fresh" / "checkpoints" / "last.pt")
+    before, after = (state["optimizer"]["param_groups"][0]["lr"] for state in (decayed, fresh))
+    assert before < after / 2  # the 1-epoch schedule had decayed: the LR goes back up
+    assert lines == [f"LR schedule: --epochs 1 -> 2: from step 4 on, lr {before:.4g} -> "
+                     f"{after:.4g} (where a fresh run with these values would be)"]
