@@ -1,5 +1,6 @@
 """CIFAR's commands besides training and ``evaluate``: ``predict`` and ``export``, and the
-training split for ``evaluate --split training``."""
+splits of ``evaluate --split``: ``training``, and ``test`` for a run that validated on images
+held out of train (``--val-fraction``)."""
 
 import dataclasses
 
@@ -9,7 +10,7 @@ from torchvision.transforms import v2
 from recipes.cifar.batches import CIFAR10_MEAN, CIFAR10_STD, EvalBatches
 from recipes.cifar.data import IMAGE_SHAPE, CifarArrays
 from recipes.common.predict import predict_command
-from recipes.runner import Exportable, Trained, export_command
+from recipes.runner import ConfigError, Exportable, Trained, export_command
 
 
 def image_batch(trained: Trained, images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,6 +30,15 @@ def training_split(arrays: CifarArrays) -> CifarArrays:
                                test_labels=arrays.train_labels)
 
 
+def test_split(arrays: CifarArrays) -> CifarArrays:
+    """The official test set, which a ``--val-fraction`` run never looked at."""
+    if arrays.held_test is None:
+        raise ConfigError("--split test: this run validated on the test split itself (it has "
+                          "no --val-fraction); evaluate it without --split")
+    images, labels = arrays.held_test
+    return dataclasses.replace(arrays, test_images=images, test_labels=labels, held_test=None)
+
+
 def rebuild_facts(trained: Trained) -> dict:
     """``recipes.cifar.model.build_model(model, num_classes)`` and its input: images of
     ``image_size`` px, ``(x / 255 - mean) / std`` per channel."""
@@ -40,4 +50,4 @@ def rebuild_facts(trained: Trained) -> dict:
 
 COMMANDS = {"predict": predict_command(image_batch, lambda arrays: arrays.classes),
             "export": export_command(Exportable(lambda batch: batch[0], rebuild_facts))}
-EVAL_SPLITS = {"training": training_split}
+EVAL_SPLITS = {"training": training_split, "test": test_split}

@@ -42,13 +42,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CifarArrays:
-    """Images uint8 [N,3,32,32], labels int64 [N]; ``classes[label]`` is the class name."""
+    """Images uint8 [N,3,32,32], labels int64 [N]; ``classes[label]`` is the class name.
+    ``test_*`` is the evaluation split; ``held_test`` the official test set's images and
+    labels when that split is held out of train instead (``holdout_validation``)."""
 
     train_images: torch.Tensor
     train_labels: torch.Tensor
     test_images: torch.Tensor
     test_labels: torch.Tensor
     classes: list[str]
+    held_test: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def load_cifar10(data_dir: Path, download: bool = True) -> CifarArrays:
@@ -302,7 +305,8 @@ def subset(arrays: CifarArrays, train_subset: int | None, val_subset: int | None
 
 def holdout_validation(arrays: CifarArrays, val_fraction: float) -> CifarArrays:
     """Hold out the last ``val_fraction`` of the training set as the evaluation split
-    (returned in test_*; the real test set is dropped), so tuning never sees the test set."""
+    (returned in test_*), so tuning never sees the test set; the real test set is kept aside
+    in ``held_test`` for a final ``evaluate --split test``."""
     check_number("val_fraction", val_fraction, 0, 1, "()")
     n_train = len(arrays.train_labels)
     n_val = round(n_train * val_fraction)
@@ -318,4 +322,5 @@ def holdout_validation(arrays: CifarArrays, val_fraction: float) -> CifarArrays:
         train_labels=arrays.train_labels[:cut],
         test_images=arrays.train_images[cut:],
         test_labels=arrays.train_labels[cut:],
+        held_test=(arrays.test_images, arrays.test_labels),
     )

@@ -42,7 +42,8 @@ def data_source(config: Config) -> str:
     stops early: the header says so rather than call test data validation silently."""
     source = "synthetic images" if config.dataset == "synthetic" else str(data_folder(config))
     if config.val_fraction:
-        return f"{source} (validation: the last {config.val_fraction:.0%} of train held out)"
+        return (f"{source} (validation: the last {config.val_fraction:.0%} of train held out; "
+                "the test split stays unseen until evaluate --split test)")
     return (f"{source} (validation: the test split, which also picks best.pt; --val-fraction "
             "0.1 holds out training images instead)")
 

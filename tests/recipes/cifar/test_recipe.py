@@ -12,4 +12,6 @@ def test_the_header_says_when_the_test_split_validates_and_picks_best():
         "synthetic images (validation: the test split, which also picks best.pt; "
         "--val-fraction 0.1 holds out training images instead)")
     held_out = dataclasses.replace(config, val_fraction=0.1)
-    assert data_source(held_out) == "synthetic images (validation: the last 10% of train held out)"
+    assert data_source(held_out) == (
+        "synthetic images (validation: the last 10% of train held out; the test split stays "
+        "unseen until evaluate --split test)")

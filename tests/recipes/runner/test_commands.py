@@ -25,10 +25,12 @@ from PIL import Image
 
 from engine import create_evaluator
 from recipes.__main__ import main
+from recipes.cifar.data import make_synthetic
 from recipes.runner.commands.dispatch import run_command
 from recipes.runner.commands.trained import load_trained
 from recipes.runner.config.registry import load_recipe
 from tests.helpers import (
+    CIFAR,
     CIFAR_RUN,
     copy_run,
     digests,
@@ -104,6 +106,27 @@ def test_evaluate_on_the_training_split_names_it_and_records_nothing_to_compare(
     assert result["samples"] == 128 and result["recorded"] is None
     code = main(["charlm", "evaluate", "x", "--split", "training"])
     one_error_line(code, capsys.readouterr().err, "--split", "invalid choice")
+
+
+def test_evaluate_on_the_test_split_is_for_a_run_that_held_its_validation_out_of_train(
+        cifar_run, tmp_path, capsys):
+    """A --val-fraction run validated on training images: ``--split test`` measures the test
+    split it never saw. A run
+    that validated on the test split refuses it in one line and writes nothing."""
+    before = digests(cifar_run)
+    code = main(["cifar", "evaluate", str(cifar_run), "--split", "test"])
+    one_error_line(code, capsys.readouterr().err, "--split test", "no --val-fraction")
+    assert digests(cifar_run) == before
+
+    run_dir = train([*CIFAR, "--epochs", "1", "--val-fraction", "0.25"], tmp_path / "held")
+    assert main(["cifar", "evaluate", str(run_dir), "--split", "test"]) == 0
+    assert evaluated(run_dir, "best-test")["recorded"] is None  # nothing recorded on it
+    official = make_synthetic(128, 32, seed=0)  # --train-subset 128 --val-subset 32
+    cifar = load_recipe("cifar")
+    test, validation = (load_trained(cifar, str(run_dir), split=split).data
+                        for split in ("test", "validation"))
+    assert torch.equal(test.test_images, official.test_images)
+    assert torch.equal(validation.test_images, official.train_images[96:])  # the last 25%
 
 
 # --- predict ---------------------------------------------------------------------------------
@@ -310,6 +333,7 @@ def test_a_closed_stdout_is_left_to_the_command_line_not_called_a_disk_error():
 FULL_DISK_EXPORT = """
 import resource, signal, sys
 from recipes.__main__ import main
+from recipes.cifar.data import make_synthetic
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))  # smaller than the program
 sys.exit(main(["charlm", "export", sys.argv[1], "--out", sys.argv[2]]))
