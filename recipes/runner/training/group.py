@@ -15,11 +15,11 @@ from recipes.runner.config.command_line import ConfigError
 from recipes.runner.config.errors import USER_ERRORS
 from recipes.runner.config.registry import load_recipe, recipe_ref
 from recipes.runner.config.run_keys import RunConfig
-from recipes.runner.console import say
+from recipes.runner.console import say, warn
 from recipes.runner.training.launch import process_device, rank_zero_exit_code, share_machine
 from recipes.runner.training.lock import RunLock
 from recipes.runner.training.resume_plan import COMPLETE, plan_resume
-from recipes.runner.training.start_checks import Started, setup
+from recipes.runner.training.start_checks import DISK_EXIT, FolderWriteError, Started, setup
 from recipes.runner.training.train import train
 
 
@@ -42,9 +42,15 @@ def join_group(recipe: Recipe, config: RunConfig, given: set[str], keys_from: st
                                       "config": dataclasses.asdict(config)})
         except USER_ERRORS as error:
             started = json.dumps({"error": str(error)})
+        except FolderWriteError as error:
+            started = json.dumps({"disk": str(error)})
     started = json.loads(idist.broadcast(started, src=0))
     if "error" in started:
         raise ConfigError(started["error"])
+    if "disk" in started:
+        if idist.get_rank() == 0:
+            warn(f"error: {started['disk']}")
+        return DISK_EXIT
     if "complete" in started:
         if idist.get_rank() == 0:
             say(started["complete"])

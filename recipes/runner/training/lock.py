@@ -83,8 +83,12 @@ class RunLock:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        _write_holder(fd)
+        try:  # a full disk refuses the holder line: the lock is not taken, nor kept open
+            os.ftruncate(fd, 0)
+            _write_holder(fd)
+        except OSError:
+            os.close(fd)
+            raise
         self._fd = fd
         _HELD.add(self)
 

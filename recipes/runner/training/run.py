@@ -7,7 +7,8 @@ then lock and write the run folder (``start_checks.py``); the processes start (`
 ``group.py``); each builds the parts and trains (``build.py``, ``train.py``); rank 0 writes
 the summary (``summary.py``). The modes that train no run are in ``modes.py``. Exit codes:
 0 done, 2 user error (nothing written), 3 non-finite gradients or loss spikes that a rollback
-did not cure, 4 a checkpoint could not be written, 130/143 after Ctrl-C/SIGTERM.
+did not cure, 4 the disk refused the run folder or a checkpoint, 130/143 after
+Ctrl-C/SIGTERM.
 """
 
 import dataclasses
@@ -18,7 +19,7 @@ from handlers.graceful_stop import EXIT_CODES as STOP_EXIT_CODES
 from recipes.runner.api import Recipe
 from recipes.runner.config.registry import recipe_ref
 from recipes.runner.config.run_keys import RunConfig
-from recipes.runner.console import say
+from recipes.runner.console import say, warn
 from recipes.runner.training.continue_run import continue_command
 from recipes.runner.training.cost import check_recipe_keys
 from recipes.runner.training.elastic import warn_if_store_shared
@@ -26,7 +27,12 @@ from recipes.runner.training.group import join_group, train_process
 from recipes.runner.training.launch import exit_process, launched_by_torchrun, spawn
 from recipes.runner.training.modes import overfit_run
 from recipes.runner.training.resume_plan import COMPLETE, plan_resume
-from recipes.runner.training.start_checks import launch_of, locked_setup
+from recipes.runner.training.start_checks import (
+    DISK_EXIT,
+    FolderWriteError,
+    launch_of,
+    locked_setup,
+)
 from recipes.runner.training.train import train
 
 
@@ -45,14 +51,18 @@ def run(recipe: Recipe, config: RunConfig, given: set[str], keys_from: str = "")
     if plan.action == COMPLETE:
         say(plan.report)
         return 0
-    with locked_setup(recipe, config, plan) as (started, lock):
-        if config.nproc == 1:
-            exit_code = train(recipe, config, started)
-        else:  # every process holds the lock too: it outlives this one if this is killed
-            exit_code = spawn(train_process, recipe_ref(recipe), dataclasses.asdict(config),
-                              started.run_dir, started.run_id, started.fingerprint,
-                              started.init_from, nproc=config.nproc,
-                              backend=launch_of(config).backend, lock=lock)
+    try:
+        with locked_setup(recipe, config, plan) as (started, lock):
+            if config.nproc == 1:
+                exit_code = train(recipe, config, started)
+            else:  # every process holds the lock too: it outlives this one if this is killed
+                exit_code = spawn(train_process, recipe_ref(recipe), dataclasses.asdict(config),
+                                  started.run_dir, started.run_id, started.fingerprint,
+                                  started.init_from, nproc=config.nproc,
+                                  backend=launch_of(config).backend, lock=lock)
+    except FolderWriteError as error:  # raised by the setup only: nothing has trained
+        warn(f"error: {error}")
+        return DISK_EXIT
     if exit_code in STOP_EXIT_CODES.values():  # stopped by a signal once its step was saved
         say(f"stopped; to continue this run: {continue_command()}")
     return exit_code

@@ -1,6 +1,9 @@
 """The checks of a start, before anything is written: the config against itself and the
 launch, the data against the run's, the checkpoint a resume names; then the lock and the run
-folder with its ``config.json``. A user error (exit 2) here leaves nothing on disk."""
+folder with its ``config.json``. A user error (exit 2) here leaves nothing on disk; a disk
+that refuses those first writes (full, a file size limit) is a ``FolderWriteError``, exit 4 as
+for a refused checkpoint save, the folder's earlier files untouched (``config.json`` is
+written through a temp file)."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +30,20 @@ from recipes.runner.training.resume_plan import ResumePlan
 from recipes.runner.training.resume_request import check_resume_file, stored_config
 from recipes.runner.training.strategy import check_strategy
 from recipes.runner.training.trackers import check_tracker
+
+DISK_EXIT = 4  # the disk refused a write: not the user's mistake (2)
+
+
+class FolderWriteError(Exception):
+    """The disk refused the run folder's lock or ``config.json``; the message names the file."""
+
+
+@contextmanager
+def _folder_write(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as error:
+        raise FolderWriteError(f"cannot write {path}: {error.strerror or error}") from None
 
 
 @dataclass
@@ -82,7 +99,8 @@ def setup(recipe: Recipe, config: RunConfig, plan: ResumePlan, lock: RunLock | N
         raise ConfigError(f"--warmup-epochs: must be < --epochs {config.epochs} for "
                           f"warmup_cosine, got {config.warmup()}")
     if lock is not None and run_dir.is_dir():
-        lock.acquire()  # an existing run: refuse a second writer before loading the data
+        with _folder_write(lock.path):  # an existing run: refuse a second writer first
+            lock.acquire()
     data = recipe.load_data(config)  # a DataError here leaves nothing on disk
     n_train, n_val = recipe.sample_counts(data)
     if config.batch_size > n_train:
@@ -106,13 +124,13 @@ def setup(recipe: Recipe, config: RunConfig, plan: ResumePlan, lock: RunLock | N
         raise ConfigError(f"--run-dir/--run-name: cannot create {run_dir}: {error.strerror}"
                           ) from None
     if lock is not None and not lock.held:
-        lock.acquire()
+        with _folder_write(lock.path):
+            lock.acquire()
     environment = environment_record(process_device(config.device), launch.world_size)
-    write_json_atomic(run_dir / "config.json", {"run_id": plan.run_id, "data": fingerprint,
-                                                "config": stored_config(config),
-                                                "environment": environment,
-                                                **({"init_from": init_from} if init_from
-                                                   else {})})
+    with _folder_write(run_dir / "config.json"):
+        write_json_atomic(run_dir / "config.json", {
+            "run_id": plan.run_id, "data": fingerprint, "config": stored_config(config),
+            "environment": environment, **({"init_from": init_from} if init_from else {})})
     return Started(run_dir, plan.run_id, fingerprint, data, plan.init_from)
 
 

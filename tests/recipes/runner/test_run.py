@@ -16,6 +16,8 @@ import torch
 
 from recipes.__main__ import main
 from recipes.runner.config.registry import find_recipes, load_recipe
+from recipes.runner.training import lock as lock_module
+from recipes.runner.training import start_checks
 from recipes.runner.training import summary as summary_module
 from recipes.runner.training.lock import RunLock
 from tests.helpers import CHARLM, RUN_RECIPE, digests, one_error_line, write_text
@@ -195,6 +197,32 @@ def _descendants(pid: int) -> list[int]:
     children = Path(f"/proc/{pid}/task/{pid}/children")
     found = [int(child) for child in children.read_text().split()] if children.exists() else []
     return found + [grandchild for child in found for grandchild in _descendants(child)]
+
+
+@pytest.mark.parametrize("module, writer, file", [
+    (lock_module, "_write_holder", ".lock"),
+    (start_checks, "write_json_atomic", "config.json"),
+])
+def test_a_full_disk_at_the_start_is_one_line_exit_4_and_the_saved_run_intact(
+        module, writer, file, tmp_path, monkeypatch, capsys):
+    """The start's first writes, the lock's holder line and config.json, on a disk that
+    refuses them: a run to be continued keeps every file as it was."""
+    run_dir = tmp_path / "run"
+    run = [*CHARLM, "--text", str(write_text(tmp_path / "corpus.txt")), "--run-dir",
+           str(run_dir)]
+    assert main([*run, "--epochs", "1"]) == 0
+    before = digests(run_dir)
+    capsys.readouterr()
+
+    def full(*_args) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(module, writer, full)
+    code = main([*run, "--epochs", "2"])
+    assert code == 4
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: cannot write {run_dir / file}: No space left on device"]
+    assert digests(run_dir) == before
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
