@@ -1,4 +1,5 @@
-# Every target that runs code first makes sure .venv exists and matches setup.cfg.
+# Every target that runs code first makes sure .venv exists and matches setup.cfg, with the
+# tested versions of constraints.txt (setup.cfg states the ranges the project supports).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,10 +10,12 @@ REV ?= HEAD
 
 .PHONY: train test test-slow test-reliability bench bench-gpu bench-tracker bench-instructions bench-versus bench-extra mutate mutate-extra lint lr-plot tensorboard clean
 
-$(STAMP): setup.cfg pyproject.toml
+PIP_INSTALL := $(PY) -m pip install -q -c constraints.txt
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PIP_INSTALL) -e '.[dev]'
 	@touch $(STAMP)
 
 # A run stopped by Ctrl-C or SIGTERM (exit 130 or 143) has saved its step and printed the command
@@ -37,7 +40,7 @@ test-reliability: $(STAMP)
 # (the tracker's cost) when one is missing.
 bench-extra: $(STAMP)
 	@$(PY) -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('pytorch_lightning', 'airbench', 'mlflow')))" \
-		|| $(PY) -m pip install -q -e '.[dev,bench,mlflow]'
+		|| $(PIP_INSTALL) -e '.[dev,bench,mlflow]'
 
 # Writes docs/benchmarks.md; about 10-15 minutes on a quiet 2-core CPU, so not part of `make test`.
 # On a CUDA machine it includes the GPU section: the CIFAR recipe against airbench94.
@@ -58,7 +61,7 @@ bench-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),bench-extra)
 # into runs/benchmarks-tracker.md.
 bench-tracker: $(STAMP)
 	@$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('mlflow') is None)" \
-		|| $(PY) -m pip install -q -e '.[dev,mlflow]'
+		|| $(PIP_INSTALL) -e '.[dev,mlflow]'
 	$(PY) -m benchmarks --only tracker
 
 # Instructions per iteration of the tiny-model arms under valgrind's callgrind (needs valgrind
@@ -74,7 +77,7 @@ bench-versus: $(STAMP)
 # Installs the mutate extra (mutmut) when it is missing.
 mutate-extra: $(STAMP)
 	@$(PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('mutmut') is None)" \
-		|| $(PY) -m pip install -q -e '.[dev,mutate]'
+		|| $(PIP_INSTALL) -e '.[dev,mutate]'
 
 # Mutation testing of the engine, the checkpoint and resume code and the data order with the
 # tests that cover them ([mutmut] in setup.cfg, docs/mutation.md); tens of minutes on 2 cores,
