@@ -19,11 +19,11 @@ from recipes.runner.commands.command_parser import CommandParser, writing
 from recipes.runner.commands.consolidate import consolidate
 from recipes.runner.commands.trained import Trained, load_trained
 from recipes.runner.config.command_line import ConfigError
+from recipes.runner.config.errors import DISK_EXIT
 from recipes.runner.console import say, warn
 from recipes.runner.training.folder import write_json_atomic
 
 VALIDATION = "validation"
-DISK_EXIT = 4  # the disk refused a write: not the user's mistake (2), as for training
 
 
 def commands_of(recipe: Recipe) -> dict[str, Callable[[Recipe, list[str]], int]]:

@@ -17,6 +17,7 @@ import ignite.distributed as idist
 
 from handlers.graceful_stop import EXIT_CODES as STOP_EXIT_CODES
 from recipes.runner.api import Recipe
+from recipes.runner.config.errors import DISK_EXIT
 from recipes.runner.config.registry import recipe_ref
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say, warn
@@ -27,12 +28,7 @@ from recipes.runner.training.group import join_group, train_process
 from recipes.runner.training.launch import exit_process, launched_by_torchrun, spawn
 from recipes.runner.training.modes import overfit_run
 from recipes.runner.training.resume_plan import COMPLETE, plan_resume
-from recipes.runner.training.start_checks import (
-    DISK_EXIT,
-    FolderWriteError,
-    launch_of,
-    locked_setup,
-)
+from recipes.runner.training.start_checks import FolderWriteError, launch_of, locked_setup
 from recipes.runner.training.train import train
 
 

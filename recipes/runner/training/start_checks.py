@@ -31,8 +31,6 @@ from recipes.runner.training.resume_request import check_resume_file, stored_con
 from recipes.runner.training.strategy import check_strategy
 from recipes.runner.training.trackers import check_tracker
 
-DISK_EXIT = 4  # the disk refused a write: not the user's mistake (2)
-
 
 class FolderWriteError(Exception):
     """The disk refused the run folder's lock or ``config.json``; the message names the file."""
