@@ -32,9 +32,8 @@ from recipes.runner import (
     find_recipes,
     help_text,
     load_recipe,
-    parse_command_line,
+    parse_start,
     recipe_keys,
-    source_run,
 )
 
 # A process that a closed pipe stops (`... --help | head -1`) exits as if SIGPIPE had
@@ -80,8 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(commands) > 1:
             raise ConfigError(f"{' and '.join(sorted(commands))}: give one of them")
         argv = [arg for arg in rest if arg not in commands]
-        config, given = parse_command_line(keys.config, argv)
-        keys_from = source_run(keys.config, argv)
+        config, given, keys_from = parse_start(keys.config, argv)
     except ConfigError as err:
         return _user_error(err)
     if "--print-config" in commands:  # before torch loads: nothing is run or written

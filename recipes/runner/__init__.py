@@ -24,7 +24,7 @@ _MODULE_OF = {
     "ConfigError": "config.command_line", "field": "config.command_line",
     "help_text": "config.command_line",
     "config_toml": "config.file", "parse_command_line": "config.file",
-    "source_run": "config.file",
+    "parse_start": "config.file",
     "RunConfig": "config.run_keys",
     "find_recipes": "config.registry", "load_recipe": "config.registry",
     "recipe_keys": "config.registry",

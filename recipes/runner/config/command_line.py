@@ -237,6 +237,10 @@ def help_text(config_cls: type, prog: str, description: str, recipe_name: str,
     return "\n".join(lines)
 
 
+# The keys that place a run's folder: they say where it is, not what it trains.
+FOLDER_KEYS = ("run_dir", "run_name")
+
+
 def resume_overrides(saved: dict[str, Any], config: Any, given: set[str]) -> list[str]:
     """Compare a saved run's config with the new one.
 
@@ -251,7 +255,7 @@ def resume_overrides(saved: dict[str, Any], config: Any, given: set[str]) -> lis
         old, new = saved[spec.name], getattr(config, spec.name)
         if spec.name not in given:
             setattr(config, spec.name, old)
-        elif old != new and spec.name not in ("run_dir", "run_name"):  # where, not what
+        elif old != new and spec.name not in FOLDER_KEYS:  # where, not what
             if spec.metadata.get("fixed_on_resume"):
                 raise ConfigError(
                     f"{flag_name(spec.name)}: cannot change on resume ({old!r} -> {new!r}); it "

@@ -12,7 +12,7 @@ A run folder's ``config.json`` is a config file too: its ``config`` table holds 
 and what only describes that run (its id, folder, data fingerprint, environment record)
 is ignored with one note, so that the same keys start a new run (another ``--seed``,
 ``--run-name``, ...). Without a folder named, that start never continues the run the file
-came from (``source_run``): it trains a run of its own, which the same command continues.
+came from (``parse_start``): it trains a run of its own, which the same command continues.
 
 YAML is not read: flat scalar keys need nothing TOML lacks, and YAML's implicit typing
 turns ``1e-3`` into a string (PyYAML) and ``no`` into false, the mistakes this file's
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes.runner.config.command_line import (
+    FOLDER_KEYS,
     ConfigError,
     base_type,
     check_value,
@@ -50,7 +51,7 @@ RUN_RECORD = ("run_id", "data", "environment", "init_from")
 # which imports torch): config.json never holds them, nor does a config file.
 REQUESTS = ("resume",)
 # Keys of a run's config.json that name its folder or ask something of one start only.
-RUN_PLACE = ("run_dir", "run_name", *REQUESTS)
+RUN_PLACE = (*FOLDER_KEYS, *REQUESTS)
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _TOML_LINE = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
 _WIDTH = 100
@@ -60,20 +61,17 @@ MAX_BYTES = 1024 * 1024  # --print-config's whole output is about 10 KiB
 def parse_command_line(config_cls: type, argv: Sequence[str]) -> tuple[Any, set[str]]:
     """``parse_args`` with ``--config FILE``: the file's keys under the command line's.
     Returns the config and the keys given in either."""
+    config, given, _ = parse_start(config_cls, argv)
+    return config, given
+
+
+def parse_start(config_cls: type, argv: Sequence[str]) -> tuple[Any, set[str], str]:
+    """``parse_command_line``, and the run id of the run folder's ``config.json`` that
+    ``--config`` names (else ""): a start without a folder of its own must not continue that
+    run (it is the source of the keys, not the run)."""
     args, path = _take_config_option(list(argv))
-    base = read_config_file(path, config_cls) if path is not None else {}
-    return parse_args(config_cls, args, base)
-
-
-def source_run(config_cls: type, argv: Sequence[str]) -> str:
-    """The run id of the run folder's ``config.json`` that ``--config`` names, else "": a
-    start without a folder of its own must not continue that run (it is the source of the
-    keys, not the run). Call it after ``parse_command_line`` has accepted ``argv``."""
-    path = _take_config_option(list(argv))[1]
-    if path is None:
-        return ""
-    table = _parse(path, _read_text(path))
-    return str(table["run_id"]) if _is_run_record(table, config_cls) else ""
+    base, source = read_config_file(path, config_cls) if path is not None else ({}, "")
+    return (*parse_args(config_cls, args, base), source)
 
 
 def _take_config_option(args: list[str]) -> tuple[list[str], str | None]:
@@ -95,10 +93,11 @@ def _take_config_option(args: list[str]) -> tuple[list[str], str | None]:
     return rest, path
 
 
-def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
+def read_config_file(path: str, config_cls: type) -> tuple[dict[str, Any], str]:
     """The keys of the TOML or JSON file ``path`` as ``config_cls``'s field values, each
-    checked as on the command line; ConfigError (one line naming the file, and the line
-    where there is one) for anything the command line would refuse."""
+    checked as on the command line, and the run id when it is a run folder's config.json
+    (else ""); ConfigError (one line naming the file, and the line where there is one) for
+    anything the command line would refuse."""
     text = _read_text(path)
     table = _parse(path, text)
     keys, ignored = _keys_of(table, config_cls)
@@ -126,7 +125,7 @@ def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
             check_value(fields[name], values[name])
         except ConfigError as error:
             raise ConfigError(f"{_where(path, text, key)}: {error}") from None
-    return values
+    return values, (str(table["run_id"]) if _is_run_record(table, config_cls) else "")
 
 
 def _read_text(path: str) -> str:

@@ -34,7 +34,7 @@ from recipes.runner.training.train import train
 
 def run(recipe: Recipe, config: RunConfig, given: set[str], keys_from: str = "") -> int:
     """Train here, in ``--nproc`` spawned processes, or as one of the processes of torchrun.
-    ``keys_from``: the run whose config.json gave the keys (``config.file.source_run``)."""
+    ``keys_from``: the run whose config.json gave the keys (``config.file.parse_start``)."""
     check_recipe_keys(recipe, config)
     if config.overfit_batches:
         return overfit_run(recipe, config)

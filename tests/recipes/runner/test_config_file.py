@@ -20,7 +20,7 @@ from recipes.runner.config.file import (
     REQUESTS,
     config_toml,
     parse_command_line,
-    source_run,
+    parse_start,
 )
 from recipes.runner.config.interpreter import interpreter
 from recipes.runner.config.registry import find_recipes, recipe_keys
@@ -88,8 +88,8 @@ def test_a_run_folders_config_json_gives_its_keys_and_one_note_on_what_it_ignore
     assert err == [f"note: {path} is run abc's config.json: taking its keys, not its run "
                    "(ignoring run_id, data, environment, init_from, run_name, run_dir); to "
                    f"continue that run itself: --run-dir {path.parent}"]
-    assert source_run(CIFAR, ["--config", str(path), "--seed", "1"]) == "abc"
-    assert source_run(CIFAR, ["--seed", "1"]) == ""
+    assert parse_start(CIFAR, ["--config", str(path), "--seed", "1"])[2] == "abc"
+    assert parse_start(CIFAR, ["--seed", "1"])[2] == ""
 
 
 def test_a_key_beside_a_run_folders_config_table_is_still_checked(tmp_path):
