@@ -23,13 +23,21 @@ class Config(OptimizerChoice, RunConfig):
         "muon", "muon: Muon (momentum orthogonalised by Newton-Schulz) for the conv filters, "
         "SGD-Nesterov for the rest (norm shifts, whitening bias, head); sgd: SGD for every "
         "weight", choices=("sgd", "muon"), fixed_on_resume=True)
-    # airbench94's batch: 48 optimizer steps an epoch, 384 in the run (batch 256 took 1,568;
-    # on a GPU the step's cost is the host's dispatches, nearly whatever the batch). The SGD
-    # groups keep airbench94's own LR at this batch; Muon's per-step LR is raised and its
-    # momentum lowered for four times fewer steps, between the batch-256 tuning (0.04 / 0.85)
-    # and airbench94_muon's batch 2000 (0.24 / 0.6) (docs/results.md has what it reached).
-    batch_size: int = field(1024, "global batch size (samples per micro-batch, all "
-                            "processes)", min=1, fixed_on_resume=True)
+    # Optimizer steps of airbench94's batch, 1024 samples: 49 an epoch, 392 in the run
+    # (batch 256 took 1,568; on a GPU a step's cost is the host's dispatches, nearly whatever
+    # the batch). Two micro-batches of 512 make each step: on a CPU a forward and backward
+    # of 1024 images at once costs 1.18x per image what 256 or 512 do (measured, 2 cores).
+    batch_size: int = field(512, "global batch size (samples per micro-batch, all "
+                            "processes); --accum-steps of them make an optimizer step",
+                            min=1, fixed_on_resume=True)
+    accum_steps: int = field(2, "micro-batches per optimizer step (on a GPU, where a step "
+                             "costs the host's op dispatches rather than the images, "
+                             "--batch-size 1024 --accum-steps 1 dispatches half the forward "
+                             "and backward ops for the same steps)", min=1,
+                             fixed_on_resume=True)
+    # The SGD groups keep airbench94's own LR at this batch; Muon's per-step LR is raised and
+    # its momentum lowered for four times fewer steps, between the batch-256 tuning
+    # (0.04 / 0.85) and airbench94_muon's batch 2000 (0.24 / 0.6) (docs/results.md).
     lr: float = field(1.5, "peak learning rate of the SGD groups (airbench94's 1.5 per 1024 "
                       "samples)", min=0, min_exclusive=True)
     muon_lr: float = field(0.12, "peak LR of the Muon weights (their step size relative to "
