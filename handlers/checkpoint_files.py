@@ -35,11 +35,22 @@ from torch import nn
 
 from handlers.atomic_write import fsync_dir, os_error_behind, write_atomically
 from handlers.crash_points import CrashPoints
+from handlers.untrusted_files import (
+    SIDECAR_MAX_BYTES,
+    CheckpointError,
+    check_stored_zip,
+    first_line,
+    open_checkpoint_file,
+    read_small_file,
+)
 
 FORMAT_VERSION = 1
 # Keys of every checkpoint besides those of the saved objects.
 RESERVED_KEYS = ("meta", "checkpointer")
 SIDECAR_KEYS = {"format_version", "sha256", "size_bytes", "run_id", "iteration", "optimizer_step"}
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+STATE_DICT_KEYS = ("model", "optimizer")  # read by every command, not only by load_state_dict
+META_POSITION = ("epoch", "iteration", "optimizer_step")  # whole numbers in every meta
 # A checkpoint of either format: step-00001200.pt (a file), step-00001200.dcp (a folder).
 CHECKPOINT_NAME = re.compile(r"^(best-)?step-(\d+)\.(pt|dcp)$")
 LINK_NAMES = ("last.pt", "best.pt", "last.dcp", "best.dcp")
@@ -48,40 +59,38 @@ _PLAIN_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.Size, t
                 torch.device)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, verified or loaded; ``path`` and ``reason`` say which
-    and why. The recipe's command line exits 2 when a resume raises it, 4 when a save does."""
-
-    def __init__(self, path: str | os.PathLike, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path, self.reason = Path(path), reason
-
-
 def read_file(path: str | os.PathLike, *, expected_run_id: str | None = None,
               required_keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """Verify the .pt file ``path`` against its sidecar and load it onto the CPU with
-    ``weights_only=True`` (``handlers.checkpoint.read_checkpoint`` reads either format).
+    ``weights_only=True`` (``handlers.checkpoint.read_checkpoint`` reads either format). The
+    file is opened once (``open_checkpoint_file``), its size and sha256 checked and its
+    archive's entries checked to be stored uncompressed before ``torch.load`` reads it.
 
     Raises ``CheckpointError`` whose ``reason`` is e.g. ``truncated (0 bytes)``,
-    ``no checksum sidecar ...``, ``checksum mismatch``, ``from another run <id>`` or
-    ``not a checkpoint: <error>``.
+    ``no checksum sidecar ...``, ``checksum mismatch``, ``from another run <id>``,
+    ``refused: ...`` or ``not a checkpoint: <error>``.
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if size == 0:
-            raise CheckpointError(path, "truncated (0 bytes)")
-        sidecar = read_sidecar(path)
-        committed = sidecar["size_bytes"]
-        if size < committed:
-            raise CheckpointError(path, f"truncated ({size} of {committed} bytes)")
-        if sha256_of(path) != sidecar["sha256"]:
-            sizes = "" if size == committed else f" ({size} bytes, {committed} committed)"
-            raise CheckpointError(path, f"checksum mismatch{sizes}")
+        with open_checkpoint_file(path, owner=path, what="the file") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            if size == 0:
+                raise CheckpointError(path, "truncated (0 bytes)")
+            sidecar = read_sidecar(path)
+            committed = sidecar["size_bytes"]
+            if size < committed:
+                raise CheckpointError(path, f"truncated ({size} of {committed} bytes)")
+            if size > committed:
+                raise CheckpointError(path, f"checksum mismatch ({size} bytes, {committed} "
+                                            "committed)")
+            if sha256_of(stream) != sidecar["sha256"]:
+                raise CheckpointError(path, "checksum mismatch")
+            check_run_id(path, sidecar, expected_run_id)
+            stream.seek(0)
+            check_stored_zip(stream, size=size, owner=path, what="the file")
+            return load_payload(path, stream, required_keys)
     except OSError as err:
         raise CheckpointError(path, f"unreadable: {err}") from err
-    check_run_id(path, sidecar, expected_run_id)
-    return load_payload(path, path, required_keys)
 
 
 def check_run_id(path: Path, sidecar: dict[str, Any], expected_run_id: str | None) -> None:
@@ -91,19 +100,31 @@ def check_run_id(path: Path, sidecar: dict[str, Any], expected_run_id: str | Non
         )
 
 
-def load_payload(path: Path, file: Path, required_keys: tuple[str, ...]) -> dict[str, Any]:
-    """``torch.load(file, weights_only=True)`` of checkpoint ``path``, checked to be a dict
-    holding the reserved keys and ``required_keys``."""
+def load_payload(path: Path, stream: BinaryIO | Path,
+                 required_keys: tuple[str, ...]) -> dict[str, Any]:
+    """``torch.load(stream, weights_only=True)`` of checkpoint ``path``, checked to be a dict
+    holding the reserved keys and ``required_keys``, those and the model's and optimizer's
+    state a dict, and a ``meta`` whose
+    position is whole numbers: what every reader of a checkpoint then indexes without
+    checking again."""
     try:
-        payload = torch.load(file, map_location="cpu", weights_only=True)
+        payload = torch.load(stream, map_location="cpu", weights_only=True)
     except Exception as err:  # weights_only refusals, zip errors: all mean "not ours"
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(path, f"not a checkpoint: {first_line}") from err
+        raise CheckpointError(path, f"not a checkpoint: {first_line(err)}") from err
     if not isinstance(payload, dict):
         raise CheckpointError(path, f"not a checkpoint: it holds a {type(payload).__name__}")
     missing = [key for key in (*RESERVED_KEYS, *required_keys) if key not in payload]
     if missing:
         raise CheckpointError(path, f"not a checkpoint of this setup: missing keys {missing}")
+    for key in (*RESERVED_KEYS, *STATE_DICT_KEYS):
+        if key in payload and not isinstance(payload[key], dict):
+            raise CheckpointError(path, f"not a checkpoint: its {key!r} is a "
+                                        f"{type(payload[key]).__name__}, not a dict")
+    meta = payload["meta"]
+    wrong = [key for key in META_POSITION if not _whole_number(meta.get(key))]
+    if wrong or not isinstance(meta.get("run_id"), str):
+        raise CheckpointError(path, "not a checkpoint: its meta lacks a run id or a position "
+                                    f"in whole numbers ({', '.join(wrong) or 'run_id'})")
     return payload
 
 
@@ -227,24 +248,40 @@ def sidecar_of(path: Path) -> Path:
 
 
 def read_sidecar(path: Path) -> dict[str, Any]:
+    """The sidecar of checkpoint ``path``, checked: a JSON object of at most
+    ``SIDECAR_MAX_BYTES`` with every ``SIDECAR_KEYS`` key of the right type (a size and a
+    position in whole numbers, a sha256 in hex). ``CheckpointError`` otherwise."""
     sidecar_path = sidecar_of(path)
+    name = f"sidecar {sidecar_path.name}"
     try:
-        sidecar = json.loads(sidecar_path.read_bytes())
+        data = read_small_file(sidecar_path, owner=path, what=f"its {name}",
+                               max_bytes=SIDECAR_MAX_BYTES)
+        sidecar = json.loads(data)
     except FileNotFoundError:
         raise CheckpointError(path, f"no checksum sidecar {sidecar_path.name}") from None
+    except RecursionError:
+        raise CheckpointError(path, f"unreadable {name}: nested too deeply") from None
     except (OSError, ValueError) as err:
-        raise CheckpointError(path, f"unreadable sidecar {sidecar_path.name}: {err}") from err
-    if (
-        not isinstance(sidecar, dict)
-        or not sidecar.keys() >= SIDECAR_KEYS
-        or not isinstance(sidecar["size_bytes"], int)
-        or not isinstance(sidecar["sha256"], str)
-    ):
-        raise CheckpointError(path, f"unreadable sidecar {sidecar_path.name}: not a sidecar")
+        raise CheckpointError(path, f"unreadable {name}: {first_line(err)}") from err
+    if not isinstance(sidecar, dict) or not sidecar.keys() >= SIDECAR_KEYS:
+        raise CheckpointError(path, f"unreadable {name}: not a sidecar")
+    wrong = [key for key in ("size_bytes", "iteration", "optimizer_step", "format_version")
+             if not _whole_number(sidecar[key])]
+    if not (isinstance(sidecar["sha256"], str) and SHA256_HEX.fullmatch(sidecar["sha256"])):
+        wrong.append("sha256")
+    if not isinstance(sidecar["run_id"], str):
+        wrong.append("run_id")
+    if wrong:
+        raise CheckpointError(path, f"unreadable {name}: {', '.join(wrong)} out of range or of "
+                                    "the wrong type")
     if sidecar["format_version"] != FORMAT_VERSION:
         raise CheckpointError(path, f"format version {sidecar['format_version']}, this code "
                                     f"reads {FORMAT_VERSION}")
     return sidecar
+
+
+def _whole_number(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**63
 
 
 def claimed_position(path: Path) -> tuple[float, float]:
@@ -253,9 +290,9 @@ def claimed_position(path: Path) -> tuple[float, float]:
     still comes first and ``best.pt`` last. Only an order: every candidate is verified before
     use."""
     try:
-        sidecar = json.loads(sidecar_of(path).read_bytes())
-        claimed = (int(sidecar["optimizer_step"]), int(sidecar["iteration"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        sidecar = read_sidecar(path)
+        claimed = (sidecar["optimizer_step"], sidecar["iteration"])
+    except CheckpointError:
         claimed = (math.inf, math.inf) if path.name in ("last.pt", "last.dcp") else (-1, -1)
     named = CHECKPOINT_NAME.match(path.name)
     return (int(named[2]), claimed[1]) if named else claimed
@@ -281,6 +318,9 @@ def unloadable_entry(value: Any, where: str = "checkpoint") -> str | None:
     return f"{where} is a {type(value).__name__}, which torch.load(weights_only=True) refuses"
 
 
-def sha256_of(path: Path) -> str:
-    with open(path, "rb") as file:
-        return hashlib.file_digest(file, "sha256").hexdigest()
+def sha256_of(file: Path | BinaryIO) -> str:
+    """The sha256 of a file: a path, or an open stream read from where it stands."""
+    if isinstance(file, Path):
+        with open(file, "rb") as stream:
+            return hashlib.file_digest(stream, "sha256").hexdigest()
+    return hashlib.file_digest(file, "sha256").hexdigest()

@@ -53,7 +53,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultSavePlanner
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -75,7 +74,14 @@ from handlers.checkpoint_files import (
     unloadable_entry,
 )
 from handlers.crash_points import CrashPoints
-from handlers.dcp_metadata import SafeFileSystemReader, read_metadata
+from handlers.dcp_metadata import (
+    SafeFileSystemReader,
+    SafeGatherPlanner,
+    SafeLoadPlanner,
+    check_entries,
+    read_metadata,
+)
+from handlers.untrusted_files import check_stored_zip, first_line, open_checkpoint_file
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +212,8 @@ class ShardedFolder:
             if optimizer is not None:
                 sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
             with _quiet_about_one_process():
-                dcp.load(sharded, storage_reader=SafeFileSystemReader(path), no_dist=True)
+                dcp.load(sharded, storage_reader=SafeFileSystemReader(path),
+                         planner=SafeLoadPlanner(), no_dist=True)
             set_model_state_dict(model, sharded["model"])
             if optimizer is not None:
                 set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
@@ -271,35 +278,70 @@ def read_sharded(path: str | os.PathLike, *, expected_run_id: str | None = None,
     path = Path(path)
     sidecar = read_sidecar(path)
     files = sidecar.get("files")
-    if not isinstance(files, dict) or STATE_FILE not in files:
+    if not (isinstance(files, dict) and STATE_FILE in files
+            and all(isinstance(name, str) and Path(name).name == name
+                    and name not in ("", ".", "..")
+                    and isinstance(facts, dict) and _is_count(facts.get("size_bytes"))
+                    and isinstance(facts.get("sha256"), str) for name, facts in files.items())):
         raise CheckpointError(path, f"unreadable sidecar {sidecar_of(path).name}: not a "
                                     "sharded checkpoint's sidecar")
+    _check_folder_link(path)
     if not path.is_dir():
         raise CheckpointError(path, "incomplete: the folder is missing")
     try:
         for name, facts in files.items():
-            file = path / name
-            if not file.exists():
-                raise CheckpointError(path, f"incomplete: {name} is missing")
-            size = file.stat().st_size
-            if size < facts["size_bytes"]:
-                raise CheckpointError(path, f"truncated {name} ({size} of "
-                                            f"{facts['size_bytes']} bytes)")
-            if sha256_of(file) != facts["sha256"]:
-                raise CheckpointError(path, f"checksum mismatch in {name}")
+            _verify_file(path, name, facts)
     except OSError as err:
         raise CheckpointError(path, f"unreadable: {err}") from err
     check_run_id(path, sidecar, expected_run_id)
-    read_metadata(path)  # refuses a .metadata that would run code, before anything loads it
+    # Refuses a .metadata that would run code or claims more than its shards hold, and any
+    # entry that is not plain data, before anything loads them.
+    check_entries(path, read_metadata(path))
     sharded = tuple(sidecar.get("sharded", ()))
-    payload = load_payload(path, path / STATE_FILE,
-                           tuple(key for key in required_keys if key not in sharded))
+    try:
+        with open_checkpoint_file(path / STATE_FILE, owner=path, what=STATE_FILE) as stream:
+            check_stored_zip(stream, size=os.fstat(stream.fileno()).st_size, owner=path,
+                             what=STATE_FILE)
+            payload = load_payload(path, stream,
+                                   tuple(key for key in required_keys if key not in sharded))
+    except OSError as err:
+        raise CheckpointError(path, f"unreadable: {err}") from err
     if whole:
         payload |= _gather_shards(path)
         for key in PER_RANK_KEYS:
             if key in payload:
                 payload[key] = payload[key][0]
     return payload
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**63
+
+
+def _check_folder_link(path: Path) -> None:
+    """``last.dcp`` and ``best.dcp`` are symbolic links to a folder beside them; a link that
+    leads anywhere else is refused."""
+    if path.is_symlink():
+        target = os.readlink(path)
+        if Path(target).name != target or target in (".", ".."):
+            raise CheckpointError(path, f"refused: it links to {target!r}, not to a checkpoint "
+                                        "folder beside it")
+
+
+def _verify_file(path: Path, name: str, facts: dict[str, Any]) -> None:
+    """One file of the folder against its sidecar's size and sha256, read once; a file larger
+    than committed is refused before it is read."""
+    committed = facts["size_bytes"]
+    try:
+        stream = open_checkpoint_file(path / name, owner=path, what=name)
+    except FileNotFoundError:
+        raise CheckpointError(path, f"incomplete: {name} is missing") from None
+    with stream:
+        size = os.fstat(stream.fileno()).st_size
+        if size < committed:
+            raise CheckpointError(path, f"truncated {name} ({size} of {committed} bytes)")
+        if size > committed or sha256_of(stream) != facts["sha256"]:
+            raise CheckpointError(path, f"checksum mismatch in {name}")
 
 
 def _gather_shards(path: Path) -> dict[str, Any]:
@@ -313,7 +355,7 @@ def _gather_shards(path: Path) -> dict[str, Any]:
     try:
         with _quiet_about_one_process():
             _load_state_dict(tensors, storage_reader=SafeFileSystemReader(path),
-                             planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+                             planner=SafeGatherPlanner(), no_dist=True)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:
@@ -433,4 +475,11 @@ def _disk_error(err: CheckpointException) -> OSError | None:
 
 
 def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+    """The first line of ``err``; for DCP's ``CheckpointException``, whose own first line only
+    lists ranks, that of the first process's error."""
+    if isinstance(err, CheckpointException) and err.failures:
+        failure = next(iter(err.failures.values()))
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return _first_line(inner)
+    return first_line(err)

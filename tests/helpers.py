@@ -31,7 +31,7 @@ CHARLM = ["charlm", "--val-fraction", "0.2", "--block-size", "8", "--n-layer", "
           "--n-head", "2", "--n-embd", "16", "--batch-size", "16", "--progress", "off",
           "--device", "cpu"]
 CIFAR = ["cifar", "--dataset", "synthetic", "--train-subset", "128", "--val-subset", "32",
-         "--batch-size", "32", "--progress", "off"]
+         "--batch-size", "32", "--accum-steps", "1", "--progress", "off"]
 IMAGES = ["images", "--model", "squeezenet1_1", "--num-workers", "0", "--batch-size", "8",
           "--progress", "off"]
 # Two epochs: the tiny runs the command tests train (tests/recipes/runner/conftest.py).
@@ -42,7 +42,7 @@ IMAGES_RUN = [*IMAGES, "--epochs", "2", "--lr", "0.02", "--warmup-epochs", "0.5"
 CHARLM_IN_FOLDER = [*CHARLM, "--text", "text.txt", "--epochs", "2", "--checkpoint-every", "2"]
 # CIFAR's default (airbench) run on a few samples, for runs of several processes.
 TINY_AIRBENCH_RUN = ("--dataset", "synthetic", "--train-subset", "64", "--val-subset", "9",
-                     "--batch-size", "32", "--epochs", "1", "--warmup-epochs", "0.5",
+                     "--batch-size", "32", "--accum-steps", "1", "--epochs", "1", "--warmup-epochs", "0.5",
                      "--device", "cpu", "--progress", "off", "--run-name", "r")
 
 
@@ -189,3 +189,63 @@ def scalar_steps(run_dir: Path, tag: str) -> list[int]:
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()
     return sorted(event.step for event in events.Scalars(tag))
+
+
+# Hostile sharded checkpoints, made as their author would make them: the folder's own
+# (honest) .metadata is read with plain pickle here, changed, and the sidecar resealed so that
+# only the reader's own checks stand in the way.
+
+# A pickle prefix that BUILDs the class pathlib.PosixPath itself: under plain pickle every
+# path of the process would read as "X".
+BUILD_ON_A_CLASS = (b"cpathlib\nPosixPath\n" b"N}X\x04\x00\x00\x00_strX\x01\x00\x00\x00Xs\x86b"
+                    b"0")
+
+
+def reseal(folder: Path) -> None:
+    """Rewrite a sharded folder's sidecar to match its files as they now are."""
+    sidecar_path = folder.with_name(folder.name + ".json")
+    sidecar = json.loads(sidecar_path.read_text())
+    for name in sidecar["files"]:
+        data = (folder / name).read_bytes()
+        sidecar["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(),
+                                  "size_bytes": len(data)}
+    sidecar_path.unlink()  # it may be a hard link shared with last.dcp.json
+    sidecar_path.write_text(json.dumps(sidecar))
+
+
+def plant_pickle_in_a_bytes_entry(folder: Path, marker: Path) -> None:
+    """Point a byte entry of the sharded checkpoint ``folder`` (an optimizer's param_groups,
+    say) at a ``torch.save`` archive, appended to its shard, whose pickle runs
+    ``os.mkdir(marker)``: DCP's own planner loads it with ``weights_only=False``."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    index = next(index for index in metadata.storage_data
+                 if isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata))
+    blob = io.BytesIO()
+    torch.save(RunsCodeWhenUnpickled(marker), blob)
+    shard = folder / metadata.storage_data[index].relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as stream:
+        stream.write(blob.getvalue())
+    metadata.storage_data[index] = _StorageInfo(shard.name, offset, len(blob.getvalue()))
+    _replace(folder / ".metadata", pickle.dumps(metadata))
+    reseal(folder)
+
+
+def plant_build_on_a_class(folder: Path) -> None:
+    """Make the sharded checkpoint ``folder``'s .metadata BUILD ``pathlib.PosixPath`` itself
+    before its real content (which still loads as metadata)."""
+    data = (folder / ".metadata").read_bytes()
+    assert data[:2] == b"\x80\x04"
+    _replace(folder / ".metadata", data[:2] + BUILD_ON_A_CLASS + data[2:])
+    reseal(folder)
+
+
+def _replace(path: Path, data: bytes) -> None:
+    path.unlink()  # never write through a hard link into another checkpoint
+    path.write_bytes(data)

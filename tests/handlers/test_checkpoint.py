@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -1061,6 +1062,11 @@ def test_a_file_that_verifies_but_does_not_load_names_torchs_error(tmp_path, mon
     path = tmp_path / "step-00000001.pt"
     path.write_bytes(b"not a zip file")
     _commit_by_hand(path)
+    assert _reason(path) == ("not a checkpoint: the file is not a torch.save archive (File is "
+                             "not a zip file)")
+    with zipfile.ZipFile(path, "w") as archive:  # a zip, but not torch.save's
+        archive.writestr("data.txt", "x")
+    _commit_by_hand(path)
     with pytest.raises(Exception) as torch_error:
         torch.load(path, weights_only=True)
     first_line = str(torch_error.value).strip().splitlines()[0]
@@ -1085,19 +1091,24 @@ def test_a_verified_checkpoint_without_an_entry_this_run_restores_is_refused(tmp
 
 
 @pytest.mark.parametrize(
-    "changes",
-    [{"size_bytes": "1234"}, {"sha256": 1234}, {"run_id": None}],
-    ids=["size_as_text", "sha256_as_number", "without_run_id"],
+    ("changes", "reason"),
+    [({"size_bytes": "1234"}, "size_bytes out of range or of the wrong type"),
+     ({"sha256": 1234}, "sha256 out of range or of the wrong type"),
+     ({"optimizer_step": 1e999}, "optimizer_step out of range or of the wrong type"),
+     ({"iteration": -1}, "iteration out of range or of the wrong type"),
+     ({"run_id": None}, "not a sidecar")],
+    ids=["size_as_text", "sha256_as_number", "step_infinite", "iteration_negative",
+         "without_run_id"],
 )
-def test_a_sidecar_with_a_missing_key_or_a_wrong_value_type_is_not_a_sidecar(tmp_path,
-                                                                            changes):
+def test_a_sidecar_with_a_missing_key_or_a_wrong_value_is_rejected_naming_it(tmp_path,
+                                                                            changes, reason):
     path = _one_save(tmp_path)
     _commit_by_hand(path, **changes)
     if changes == {"run_id": None}:
         sidecar = json.loads(path.with_name(path.name + ".json").read_text())
         del sidecar["run_id"]
         path.with_name(path.name + ".json").write_text(json.dumps(sidecar))
-    assert _reason(path) == "unreadable sidecar step-00000001.pt.json: not a sidecar"
+    assert _reason(path) == f"unreadable sidecar step-00000001.pt.json: {reason}"
 
 
 def test_a_sidecar_that_is_not_an_object_is_not_a_sidecar(tmp_path):

@@ -31,7 +31,7 @@ from handlers.checkpoint_files import (
 from handlers.crash_points import CrashPoints
 from handlers.sharded_checkpoint import ShardedFolder
 
-META = {"format_version": FORMAT_VERSION, "run_id": "run-a", "iteration": 1,
+META = {"format_version": FORMAT_VERSION, "run_id": "run-a", "epoch": 1, "iteration": 1,
         "optimizer_step": 1}
 
 

@@ -11,7 +11,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from handlers.checkpoint_files import CheckpointError
-from handlers.dcp_metadata import MAX_METADATA_BYTES, SafeFileSystemReader, read_metadata
+from handlers.dcp_metadata import (
+    MAX_METADATA_BYTES,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    read_metadata,
+)
 from tests.helpers import RunsCodeWhenUnpickled
 
 
@@ -40,8 +45,15 @@ def test_the_safe_reader_loads_the_tensors(saved):
     state = {"model": model.state_dict()}
     assert not torch.equal(state["model"]["0.weight"], saved_weight)
     with pytest.warns(UserWarning):
-        dcp.load(state, storage_reader=SafeFileSystemReader(saved), no_dist=True)
+        dcp.load(state, storage_reader=SafeFileSystemReader(saved), planner=SafeLoadPlanner(),
+                 no_dist=True)
     assert torch.equal(state["model"]["0.weight"], saved_weight)
+
+
+def test_the_safe_reader_refuses_a_planner_that_loads_bytes_unsafely(saved):
+    with pytest.raises(CheckpointException, match="loads only with SafeLoadPlanner"), \
+            pytest.warns(UserWarning):
+        dcp.load({"model": {}}, storage_reader=SafeFileSystemReader(saved), no_dist=True)
 
 
 def _plant(folder: Path, payload: object) -> None:
@@ -59,7 +71,8 @@ def test_a_metadata_that_would_run_code_is_refused_unrun(saved, tmp_path):
     # DCP wraps the reader's error in its own CheckpointException, message kept.
     with pytest.raises(CheckpointException, match="refused: its .metadata names posix.mkdir"), \
             pytest.warns(UserWarning):
-        dcp.load({"model": {}}, storage_reader=SafeFileSystemReader(saved), no_dist=True)
+        dcp.load({"model": {}}, storage_reader=SafeFileSystemReader(saved),
+                 planner=SafeLoadPlanner(), no_dist=True)
     assert not marker.exists()
     # What the check stands between: DCP's own reader runs it.
     with pytest.raises(AttributeError):  # after os.mkdir ran: None has no storage_meta
@@ -86,7 +99,7 @@ def test_a_shard_outside_the_folder_is_refused(saved):
 @pytest.mark.parametrize(("content", "reason"), [
     (b"", "unreadable .metadata: "),
     (b"\x80\x04garbage", "unreadable .metadata: "),
-    (b"\0" * (MAX_METADATA_BYTES + 1), "refused: its .metadata is over 64 MB"),
+    (b"\0" * (MAX_METADATA_BYTES + 1), "refused: .metadata is 67108865 bytes, more than the "),
 ])
 def test_an_empty_garbled_or_huge_metadata_is_one_reason(saved, content, reason):
     (saved / ".metadata").write_bytes(content)

@@ -42,7 +42,7 @@ TOTAL_ITERATIONS = ITERATIONS_PER_EPOCH * EPOCHS
 LOG_EVERY = 2  # a progress line ("epoch 1/3 step 2 ...") every 2 optimizer steps
 # The run keys every recipe's tiny job shares; 32 x 8 = 256 training samples per epoch.
 RUN_ARGS = (
-    "--batch-size", "32", "--epochs", str(EPOCHS), "--checkpoint-every", "3",
+    "--batch-size", "32", "--accum-steps", "1", "--epochs", str(EPOCHS), "--checkpoint-every", "3",
     "--progress", "plain", "--log-every", str(LOG_EVERY), "--scheduler", "onecycle",
     "--device", "cpu",
 )

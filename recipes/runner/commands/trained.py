@@ -116,8 +116,8 @@ def load_trained(recipe: Recipe, source: str, checkpoint: str = "best",
     parts = recipe.build(config, data, Context(resolved, 0, 1, run_dir))
     try:
         parts.model.load_state_dict(_evaluated_weights(payload))
-    except (RuntimeError, ValueError, KeyError) as error:
-        first_line = str(error).strip().splitlines()[0]
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as error:
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise CheckpointError(path, f"its weights do not fit {recipe.name}'s model "
                                     f"({first_line})") from None
     parts.model.eval()
@@ -133,7 +133,7 @@ def _evaluated_weights(payload: dict[str, Any]) -> dict[str, torch.Tensor]:
     holds the trained weights and ``averaging`` the average, which every evaluation swapped
     in (``handlers.weight_averaging``); before its first update there is no average yet."""
     averaging = payload.get("averaging")
-    if averaging and averaging.get("num_updates", 0) > 0:
+    if isinstance(averaging, dict) and averaging.get("num_updates", 0) > 0:
         return averaging["averaged_model"]
     return payload["model"]
 

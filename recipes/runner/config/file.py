@@ -46,7 +46,7 @@ from recipes.runner.config.interpreter import recipes_command
 from recipes.runner.console import warn
 
 # What a run folder's config.json holds besides its keys: they describe that run.
-RUN_RECORD = ("run_id", "data", "environment", "init_from")
+RUN_RECORD = ("recipe", "run_id", "data", "environment", "init_from")
 # Keys that ask something of one start only, not of the run (resume_request.REQUEST_KEYS,
 # which imports torch): config.json never holds them, nor does a config file.
 REQUESTS = ("resume",)

@@ -23,6 +23,7 @@ The rules (README, "Resuming"):
   ``--resume <file>``.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,14 +82,14 @@ def plan_resume(recipe: str, best: str, config: RunConfig, given: set[str],
     if "run_name" in given and not config.run_name:
         raise ConfigError("--run-name: must not be empty; leave it out for a timestamp")
     if named:
-        return _plan_in(resolve_run_dir(recipe, config.run_name, config.run_dir), config,
-                        given, "the folder named by --run-name or --run-dir")
+        return _plan_in(recipe, resolve_run_dir(recipe, config.run_name, config.run_dir),
+                        config, given, "the folder named by --run-name or --run-dir")
     found = None if config.resume == "never" else newest_same_run(recipe, config, keys_from)
     if found is None:
         config.run_dir = str(new_timestamp_folder(recipe))
         why = ("--resume never: a new timestamped folder" if config.resume == "never"
                else "no earlier run of these keys: a new timestamped folder")
-        return _plan_in(Path(config.run_dir), config, given, why)
+        return _plan_in(recipe, Path(config.run_dir), config, given, why)
     report = report_if_complete(found, best, TRAIN_AGAIN) if config.resume == "auto" else None
     if report is not None:
         return ResumePlan(COMPLETE, found, "the newest run of these keys completed",
@@ -96,10 +97,11 @@ def plan_resume(recipe: str, best: str, config: RunConfig, given: set[str],
     say(f"continuing {found} (the newest run of this command; --resume never starts a new "
         "one)")
     config.run_dir = str(found)
-    return _plan_in(found, config, given, "the newest run of these keys")
+    return _plan_in(recipe, found, config, given, "the newest run of these keys")
 
 
-def _plan_in(run_dir: Path, config: RunConfig, given: set[str], where: str) -> ResumePlan:
+def _plan_in(recipe: str, run_dir: Path, config: RunConfig, given: set[str], where: str
+             ) -> ResumePlan:
     """The plan once the folder is known: continue what it holds, or start afresh."""
     if config.resume == "never":
         if any(path.suffix in (".pt", ".dcp") for path in (run_dir / "checkpoints").glob("*")):
@@ -111,12 +113,31 @@ def _plan_in(run_dir: Path, config: RunConfig, given: set[str], where: str) -> R
                              or saved_in_checkpoints(run_dir / "checkpoints"))
     if saved is None:
         return _fresh(run_dir, config, given, f"{where} holds no run")
+    _refuse_another_recipe(recipe, run_dir, saved, config)
     overrides = resume_overrides(saved["config"], config, given)
     source = ("the checkpoint given by --resume" if config.resume != "auto"
               else "its newest checkpoint that verifies, if any")
     return ResumePlan(CONTINUE, run_dir, f"{where} holds run {saved['run_id']}: from {source}",
                       source=config.resume, run_id=saved["run_id"], saved=saved,
                       overrides=overrides, **_init_from(run_dir, config, given))
+
+
+def _refuse_another_recipe(recipe: str, run_dir: Path, saved: dict[str, Any],
+                           config: RunConfig) -> None:
+    """A folder of another recipe's run is an error, named as such, before anything in it is
+    written: its config.json says whose it is (``recipe``), or for a folder written before
+    it did, its keys that this recipe lacks do."""
+    owner = saved.get("recipe")
+    if owner is not None and owner != recipe:
+        raise ConfigError(f"{run_dir} is a {owner} run; this is {recipe} (to continue it: "
+                          f"python -m recipes {owner} --run-dir {run_dir}; or give another "
+                          "--run-dir or --run-name)")
+    extra = sorted(saved.get("config", {}).keys()
+                   - {spec.name for spec in dataclasses.fields(config)})
+    if owner is None and extra:
+        raise ConfigError(f"{run_dir} is not a {recipe} run: its config has keys {recipe} "
+                          f"lacks ({', '.join(extra[:5])}); give another --run-dir or "
+                          "--run-name")
 
 
 def _fresh(run_dir: Path, config: RunConfig, given: set[str], why: str) -> ResumePlan:

@@ -127,7 +127,8 @@ def setup(recipe: Recipe, config: RunConfig, plan: ResumePlan, lock: RunLock | N
     environment = environment_record(process_device(config.device), launch.world_size)
     with _folder_write(run_dir / "config.json"):
         write_json_atomic(run_dir / "config.json", {
-            "run_id": plan.run_id, "data": fingerprint, "config": stored_config(config),
+            "recipe": recipe.name, "run_id": plan.run_id, "data": fingerprint,
+            "config": stored_config(config),
             "environment": environment, **({"init_from": init_from} if init_from else {})})
     return Started(run_dir, plan.run_id, fingerprint, data, plan.init_from)
 

@@ -383,7 +383,7 @@ def test_a_run_folders_config_json_repeats_the_run_with_a_new_seed(tmp_path, mon
     assert main(again) == 0
 
     out, err = capsys.readouterr()
-    assert err.count("note: ") == 1 and "ignoring data, environment, run_id, " in err
+    assert err.count("note: ") == 1 and "ignoring data, environment, recipe, run_id, " in err
     [second] = [path for path in (tmp_path / "runs" / "charlm").iterdir() if path != first]
     assert saved_keys(second) == {**saved_keys(first), "seed": 1, "run_name": "",
                                   "run_dir": str(second.relative_to(tmp_path))}

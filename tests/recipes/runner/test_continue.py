@@ -203,7 +203,7 @@ def test_a_finished_runs_config_json_as_config_trains_a_run_of_its_own(tmp_path,
     run_id = json.loads(Path(config_json).read_text())["run_id"]
     assert err.splitlines()[0] == (
         f"note: {config_json} is run {run_id}'s config.json: taking its keys, not its run "
-        "(ignoring data, environment, run_id, run_dir, run_name); to continue that run "
+        "(ignoring data, environment, recipe, run_id, run_dir, run_name); to continue that run "
         f"itself: --run-dir runs/charlm/{source}")
     assert "completed: epoch 2/2" in out and "already complete" not in out
     assert digests(tmp_path / "runs" / "charlm" / source) == before

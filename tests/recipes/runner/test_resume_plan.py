@@ -94,6 +94,24 @@ def test_a_run_without_config_json_continues_from_what_its_checkpoint_holds(monk
     assert seen == [Path("runs/charlm/a/checkpoints")]
 
 
+def test_a_folder_of_another_recipe_is_refused_naming_both(tmp_path):
+    folder = saved_run("a")
+    record = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**record, "recipe": "cifar"}))
+    with pytest.raises(ConfigError) as raised:
+        plan("--run-name", "a", "--lr", "0.01")
+    assert str(raised.value) == (
+        "runs/charlm/a is a cifar run; this is charlm (to continue it: python -m recipes "
+        "cifar --run-dir runs/charlm/a; or give another --run-dir or --run-name)")
+
+
+def test_a_folder_written_before_runs_named_their_recipe_is_known_by_its_keys(tmp_path):
+    saved_run("a", tta="mirror", final_tta="none")  # cifar's keys, no "recipe"
+    with pytest.raises(ConfigError, match=r"^runs/charlm/a is not a charlm run: its config "
+                                          r"has keys charlm lacks \(final_tta, tta\)"):
+        plan("--run-name", "a")
+
+
 def test_resume_with_a_file_continues_from_that_file(tmp_path):
     saved_run("a")
     Path("old.pt").touch()
