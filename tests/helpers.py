@@ -42,8 +42,8 @@ IMAGES_RUN = [*IMAGES, "--epochs", "2", "--lr", "0.02", "--warmup-epochs", "0.5"
 CHARLM_IN_FOLDER = [*CHARLM, "--text", "text.txt", "--epochs", "2", "--checkpoint-every", "2"]
 # CIFAR's default (airbench) run on a few samples, for runs of several processes.
 TINY_AIRBENCH_RUN = ("--dataset", "synthetic", "--train-subset", "64", "--val-subset", "9",
-                     "--batch-size", "32", "--accum-steps", "1", "--epochs", "1", "--warmup-epochs", "0.5",
-                     "--device", "cpu", "--progress", "off", "--run-name", "r")
+                     "--batch-size", "32", "--accum-steps", "1", "--epochs", "1",
+                     "--warmup-epochs", "0.5", "--device", "cpu", "--progress", "off", "--run-name", "r")
 
 
 def write_text(path: Path, words: int = 600, seed: int = 0) -> Path:
