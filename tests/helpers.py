@@ -43,7 +43,8 @@ CHARLM_IN_FOLDER = [*CHARLM, "--text", "text.txt", "--epochs", "2", "--checkpoin
 # CIFAR's default (airbench) run on a few samples, for runs of several processes.
 TINY_AIRBENCH_RUN = ("--dataset", "synthetic", "--train-subset", "64", "--val-subset", "9",
                      "--batch-size", "32", "--accum-steps", "1", "--epochs", "1",
-                     "--warmup-epochs", "0.5", "--device", "cpu", "--progress", "off", "--run-name", "r")
+                     "--warmup-epochs", "0.5", "--device", "cpu", "--progress", "off",
+                     "--run-name", "r")
 
 
 def write_text(path: Path, words: int = 600, seed: int = 0) -> Path:
