@@ -203,15 +203,16 @@ BUILD_ON_A_CLASS = (b"cpathlib\nPosixPath\n" b"N}X\x04\x00\x00\x00_strX\x01\x00\
 
 
 def reseal(folder: Path) -> None:
-    """Rewrite a sharded folder's sidecar to match its files as they now are."""
-    sidecar_path = folder.with_name(folder.name + ".json")
-    sidecar = json.loads(sidecar_path.read_text())
-    for name in sidecar["files"]:
-        data = (folder / name).read_bytes()
-        sidecar["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(),
-                                  "size_bytes": len(data)}
-    sidecar_path.unlink()  # it may be a hard link shared with last.dcp.json
-    sidecar_path.write_text(json.dumps(sidecar))
+    """Rewrite every sidecar of a sharded folder (its own, ``best.dcp.json``...) to match its
+    files as they now are."""
+    files = {name: {"sha256": hashlib.sha256((folder / name).read_bytes()).hexdigest(),
+                    "size_bytes": (folder / name).stat().st_size}
+             for name in json.loads(folder.with_name(folder.name + ".json").read_text())["files"]}
+    for sidecar_path in folder.parent.glob("*.dcp.json"):
+        sidecar = json.loads(sidecar_path.read_text())
+        if (folder.parent / sidecar_path.name[:-5]).resolve() == folder.resolve():
+            sidecar["files"] = files
+            sidecar_path.write_text(json.dumps(sidecar))
 
 
 def plant_pickle_in_a_bytes_entry(folder: Path, marker: Path) -> None:

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from handlers.checkpoint import read_checkpoint
-from tests.helpers import RunsCodeWhenUnpickled
+from tests.helpers import (
+    RunsCodeWhenUnpickled,
+    plant_build_on_a_class,
+    plant_pickle_in_a_bytes_entry,
+)
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -132,3 +136,32 @@ def test_checkpoint_that_would_run_code_is_refused_unrun(interrupted_run, refere
     assert "iteration 15, step 15)" in resumed.stdout
     reference.assert_matches(run_dir)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("plant", ["a pickle in a byte entry", "BUILD on a class"])
+def test_a_hostile_newest_sharded_checkpoint_is_passed_over_and_the_run_finishes(
+        plant, fsdp_job, tmp_path):
+    """An FSDP run (2 processes) whose folder gains a hostile ``step-00000099.dcp`` with a
+    matching sidecar: the resume rejects it unrun, falls back to step 9 and ends identical."""
+    run_dir = tmp_path / "run"
+    crashed = fsdp_job.run_recipe(run_dir, faults={"CKPT_TEST_CRASH_PHASE": "mid_write:5"})
+    assert crashed.returncode == 137, crashed.stderr
+    folder, marker = run_dir / "checkpoints", tmp_path / "code-ran"
+    planted = folder / "step-00000099.dcp"
+    shutil.copytree(folder / "step-00000009.dcp", planted)
+    shutil.copy(folder / "step-00000009.dcp.json", folder / "step-00000099.dcp.json")
+    if plant == "a pickle in a byte entry":
+        plant_pickle_in_a_bytes_entry(planted, marker)
+    else:
+        plant_build_on_a_class(planted)
+
+    resumed = fsdp_job.run_recipe(run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert not marker.exists()
+    skipped = _skipped(resumed.stderr)
+    assert list(skipped) == ["step-00000099.dcp"], resumed.stderr
+    assert skipped["step-00000099.dcp"].startswith("refused: "), skipped
+    assert "iteration 9, step 9)" in resumed.stdout
+    shutil.rmtree(planted)  # the planted files stay where they were put; the rest must match
+    (folder / "step-00000099.dcp.json").unlink()
+    fsdp_job.reference.assert_matches(run_dir)

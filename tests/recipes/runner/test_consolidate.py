@@ -25,6 +25,8 @@ from tests.helpers import (
     evaluated,
     leave_the_group,
     one_error_line,
+    plant_build_on_a_class,
+    plant_pickle_in_a_bytes_entry,
     recorded,
     write_text,
 )
@@ -191,3 +193,23 @@ def test_a_resume_falls_back_past_a_planted_folder_unrun(sharded_run, tmp_path, 
     rejected = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
     assert len(rejected) == 1 and f"{planted} rejected: refused: its .metadata names " \
                                    "posix.mkdir" in rejected[0], rejected
+
+
+@pytest.mark.parametrize("plant", ["a pickle in a byte entry", "BUILD on a class"])
+@pytest.mark.parametrize("command", ["evaluate", "consolidate"])
+def test_no_command_runs_a_byte_entry_pickle_or_builds_a_class(sharded_run, tmp_path, capsys,
+                                                               command, plant):
+    run_dir, marker = tmp_path / "run", tmp_path / "code-ran"
+    shutil.copytree(sharded_run, run_dir, symlinks=True)
+    best = (run_dir / "checkpoints" / "best.dcp").resolve()
+    if plant == "a pickle in a byte entry":
+        plant_pickle_in_a_bytes_entry(best, marker)
+        fragment = "is not plain data"
+    else:
+        plant_build_on_a_class(best)
+        fragment = "sets attributes of <class 'pathlib.PosixPath'> (BUILD)"
+    before = digests(run_dir)
+    code = main(["charlm", command, str(run_dir)])
+    one_error_line(code, capsys.readouterr().err, "best.dcp: refused: ", fragment)
+    assert not marker.exists() and str(Path("/a/b")) == "/a/b"
+    assert digests(run_dir) == before
