@@ -10,13 +10,8 @@ command line's override them); ``--print-config`` prints the resolved config as 
 (``recipes.runner.config.file``).
 
 User mistakes (a bad key or value, missing data, no usable checkpoint) end with
-one ``error:`` line and exit code 2, before anything is written to disk.
-A run that stops on its own also ends with one ``error:`` line (or a summary):
-3 when gradients stay non-finite, 4 when a checkpoint or the run's logs cannot be
-written (disk full, permission denied, read-only folder; the previous checkpoint is
-intact) or a command's output cannot (``recipes.runner.commands``),
-143 after SIGTERM and 130 after Ctrl-C (each once the current step is saved);
-141, quietly, when the reader of its output has gone (``--help | head -1``).
+one ``error:`` line and exit code 2, before anything is written to disk. Every exit code is
+``recipes.runner.config.command_line.ExitCode``, tabled in docs/reference.md (#exit-codes).
 """
 
 import logging
@@ -28,6 +23,7 @@ from typing import Any
 
 from recipes.runner import (
     ConfigError,
+    ExitCode,
     config_toml,
     find_recipes,
     help_text,
@@ -35,10 +31,6 @@ from recipes.runner import (
     parse_start,
     recipe_keys,
 )
-
-# A process that a closed pipe stops (`... --help | head -1`) exits as if SIGPIPE had
-# killed it: 128 + 13.
-CLOSED_PIPE_EXIT = 141
 
 
 def _usage() -> str:
@@ -120,7 +112,7 @@ def _train(name: str, config: Any, given: set[str], commands: set[str], keys_fro
 
 def _user_error(err: Exception) -> int:
     print(f"error: {err}", file=sys.stderr)
-    return 2
+    return ExitCode.USER_ERROR
 
 
 def _main_quiet_on_closed_pipe() -> int:
@@ -131,7 +123,7 @@ def _main_quiet_on_closed_pipe() -> int:
         # The reader has gone: stop without a traceback. Python flushes stdout once more
         # at exit and would report that failure too, so stdout now points at /dev/null.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return CLOSED_PIPE_EXIT
+        return ExitCode.BROKEN_PIPE  # as if SIGPIPE had killed it: 128 + 13
     return code
 
 

@@ -39,9 +39,12 @@ BATCH_SIZES = (256, 1024)
 EAGER, COMPILED, AIRBENCH = "recipe step, eager", "recipe step, compiled", "airbench94 loop"
 STEP_ARMS = (EAGER, COMPILED, AIRBENCH)
 AIRBENCH_PRECISION = "fp16"  # make_net94: .half() weights and activations, BatchNorm in fp32
-# The recipe's runs: its defaults, and airbench's batch size with the LR scaled as airbench
-# scales it (1.5 per 1024 samples, the recipe's 0.375 at 256).
-RECIPE_RUNS = ((), ("--batch-size", "1024", "--lr", "1.5"))
+# The recipe's runs: its defaults (two micro-batches of 512 a step), the same 1024-sample
+# step as one micro-batch, and the batch-256 defaults it had before (LR scaled as airbench
+# scales it, 1.5 per 1024 samples, and Muon's tuning at that batch).
+RECIPE_RUNS = ((), ("--batch-size", "1024", "--accum-steps", "1"),
+               ("--batch-size", "256", "--accum-steps", "1", "--lr", "0.375",
+                "--muon-lr", "0.04", "--muon-momentum", "0.85"))
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,8 @@ def run_arms(airbench_folder: Path, epochs: int | None) -> list[RunArm]:
             config, _ = parse_args(Config, args[1:])  # a typo fails here, before any run
             arms.append(RunArm("recipe, compiled" if compile else "recipe, eager",
                                f"`{shlex.join(['python', '-m', 'recipes', *args])}`",
-                               config.batch_size, recipe_precision(), config.epochs,
+                               config.batch_size * config.accum_steps, recipe_precision(),
+                               config.epochs,
                                partial(_recipe_run, args)))
     return arms
 

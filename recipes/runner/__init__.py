@@ -21,7 +21,8 @@ _MODULE_OF = {
     # what a recipe declares
     "Context": "api", "Parts": "api", "Recipe": "api", "RunPlan": "api",
     # its config (torch-free)
-    "ConfigError": "config.command_line", "field": "config.command_line",
+    "ConfigError": "config.command_line", "ExitCode": "config.command_line",
+    "field": "config.command_line",
     "help_text": "config.command_line",
     "config_toml": "config.file", "parse_command_line": "config.file",
     "parse_start": "config.file",

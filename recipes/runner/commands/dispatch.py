@@ -18,8 +18,7 @@ from recipes.runner.api import Recipe
 from recipes.runner.commands.command_parser import CommandParser, writing
 from recipes.runner.commands.consolidate import consolidate
 from recipes.runner.commands.trained import Trained, load_trained
-from recipes.runner.config.command_line import ConfigError
-from recipes.runner.config.errors import DISK_EXIT
+from recipes.runner.config.command_line import ConfigError, ExitCode
 from recipes.runner.console import say, warn
 from recipes.runner.training.folder import write_json_atomic
 
@@ -43,7 +42,7 @@ def run_command(recipe: Recipe, name: str, args: list[str]) -> int:
     except OSError as error:  # what the disk refused (``writing`` names the output file)
         where = f"{error.filename}: " if error.filename else ""
         warn(f"error: {name}: {where}{error.strerror or error}")
-        return DISK_EXIT
+        return ExitCode.DISK
 
 
 def evaluate(recipe: Recipe, args: list[str]) -> int:

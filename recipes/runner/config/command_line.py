@@ -13,11 +13,27 @@ import textwrap
 import types
 import typing
 from collections.abc import Callable, Sequence
+from enum import IntEnum
 from typing import Any
 
 
 class ConfigError(ValueError):
     """A config key or value that is not allowed; the message is one line for the user."""
+
+
+class ExitCode(IntEnum):
+    """The exit status of ``python -m recipes``, a training run or a command after it; the
+    table in docs/reference.md (#exit-codes) says the same. 130 and 143 are
+    ``handlers.graceful_stop.EXIT_CODES``' (128 + the signal), as shells report them."""
+
+    DONE = 0  # trained, stopped by --max-steps/--max-time, already complete, a command's result
+    FAILED = 1  # an error nobody foresaw: Python's traceback (please report it)
+    USER_ERROR = 2  # something to change (a key, a file, the data): one line, nothing written
+    NON_FINITE = 3  # non-finite gradients or loss spikes that a rollback did not cure
+    DISK = 4  # the disk refused a write (the run folder, a checkpoint, a command's output)
+    INTERRUPTED = 130  # Ctrl-C (SIGINT): the step finished and saved
+    BROKEN_PIPE = 141  # the reader of the output went away (e.g. `| head`)
+    TERMINATED = 143  # SIGTERM: the step finished and saved
 
 
 def field(

@@ -10,4 +10,4 @@ class DataError(RuntimeError):
 
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
-DISK_EXIT = 4  # the disk refused a write (a run's folder or checkpoint, a command's output)
+

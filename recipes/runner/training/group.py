@@ -11,8 +11,8 @@ import ignite.distributed as idist
 
 from handlers.graceful_stop import EXIT_CODES as STOP_EXIT_CODES
 from recipes.runner.api import Recipe
-from recipes.runner.config.command_line import ConfigError
-from recipes.runner.config.errors import DISK_EXIT, USER_ERRORS
+from recipes.runner.config.command_line import ConfigError, ExitCode
+from recipes.runner.config.errors import USER_ERRORS
 from recipes.runner.config.registry import load_recipe, recipe_ref
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say, warn
@@ -50,7 +50,7 @@ def join_group(recipe: Recipe, config: RunConfig, given: set[str], keys_from: st
     if "disk" in started:
         if idist.get_rank() == 0:
             warn(f"error: {started['disk']}")
-        return DISK_EXIT
+        return ExitCode.DISK
     if "complete" in started:
         if idist.get_rank() == 0:
             say(started["complete"])

@@ -27,7 +27,7 @@ from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from engine import resolve_device
 from handlers import CheckpointError
-from recipes.runner.config.command_line import ConfigError
+from recipes.runner.config.command_line import ConfigError, ExitCode
 from recipes.runner.config.errors import USER_ERRORS
 from recipes.runner.console import warn
 from recipes.runner.training.lock import RunLock
@@ -147,7 +147,7 @@ def _process_main(local_rank: int, lock: RunLock | None, fn: Callable[..., int],
         exit_code = fn(local_rank, *args)
     except USER_ERRORS as error:
         warn(f"error: {error}", flush=True)
-        exit_code = 2
+        exit_code = ExitCode.USER_ERROR
     idist.finalize()  # what Ignite does once this function returns
     exit_process(exit_code)
 

@@ -6,9 +6,7 @@ One start, in order (a file each): the resume plan decides what this start does
 then lock and write the run folder (``start_checks.py``); the processes start (``launch.py``,
 ``group.py``); each builds the parts and trains (``build.py``, ``train.py``); rank 0 writes
 the summary (``summary.py``). The modes that train no run are in ``modes.py``. Exit codes:
-0 done, 2 user error (nothing written), 3 non-finite gradients or loss spikes that a rollback
-did not cure, 4 the disk refused the run folder or a checkpoint, 130/143 after
-Ctrl-C/SIGTERM.
+``ExitCode`` (``recipes.runner.config.command_line``; docs/reference.md#exit-codes).
 """
 
 import dataclasses
@@ -17,7 +15,7 @@ import ignite.distributed as idist
 
 from handlers.graceful_stop import EXIT_CODES as STOP_EXIT_CODES
 from recipes.runner.api import Recipe
-from recipes.runner.config.errors import DISK_EXIT
+from recipes.runner.config.command_line import ExitCode
 from recipes.runner.config.registry import recipe_ref
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say, warn
@@ -58,7 +56,7 @@ def run(recipe: Recipe, config: RunConfig, given: set[str], keys_from: str = "")
                                   backend=launch_of(config).backend, lock=lock)
     except FolderWriteError as error:  # raised by the setup only: nothing has trained
         warn(f"error: {error}")
-        return DISK_EXIT
+        return ExitCode.DISK
     if exit_code in STOP_EXIT_CODES.values():  # stopped by a signal once its step was saved
         say(f"stopped; to continue this run: {continue_command()}")
     return exit_code

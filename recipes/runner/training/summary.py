@@ -5,6 +5,7 @@ from typing import Any
 
 from engine import Trainer
 from recipes.runner.api import Recipe
+from recipes.runner.config.command_line import ExitCode
 from recipes.runner.console import warn
 from recipes.runner.training.curves import plot_curves
 from recipes.runner.training.folder import write_json_atomic
@@ -35,5 +36,5 @@ def write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
         if not disk_error_told:
             warn(f"error: could not write the summary or curves in {started.run_dir}: "
                  f"{error.strerror or error}")
-        return 4
-    return 0
+        return ExitCode.DISK
+    return ExitCode.DONE

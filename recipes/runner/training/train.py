@@ -1,7 +1,5 @@
 """The run itself, in each process: build it, load the checkpoint its plan names, train to
-the end (or to a stop), and on rank 0 write the summary. Exit codes: 0 done, 3 non-finite
-gradients or loss spikes that a rollback did not cure, 4 a checkpoint could not be written,
-130/143 after Ctrl-C/SIGTERM."""
+the end (or to a stop), and on rank 0 write the summary; returns an ``ExitCode``."""
 
 import math
 
@@ -12,7 +10,7 @@ from handlers import CheckpointError, continue_with_new_settings
 from handlers.lr_scheduling import set_new_peak_lr
 from handlers.spike_guard import LossSpikeError
 from recipes.runner.api import Recipe
-from recipes.runner.config.errors import DISK_EXIT
+from recipes.runner.config.command_line import ExitCode
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say, warn
 from recipes.runner.training.build import build_run
@@ -67,17 +65,17 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
         if not finished:
             trainer.run(batches, max_epochs=config.epochs)
     except (NonFiniteGradientError, LossSpikeError) as error:  # every rank, the same step
-        status, exit_code = f"stopped: {error}", 3
+        status, exit_code = f"stopped: {error}", ExitCode.NON_FINITE
         if rank == 0:
             warn(f"error: {error}")
     except CheckpointError as error:  # a save failed (disk full, permission, read-only folder)
-        status, exit_code = f"stopped: {error}", DISK_EXIT  # not a usage error (2)
+        status, exit_code = f"stopped: {error}", ExitCode.DISK  # not a usage error (2)
         if rank == 0:  # every rank raises it (RankZeroSave); rank 0 has the cause
             warn(f"error: {error}")
     except BrokenPipeError:
         raise  # the reader of stdout has gone: the command line ends quietly (141)
     except OSError as error:  # rank 0's logs (metrics.jsonl) refused at an evaluation or end
-        status, exit_code = f"stopped: could not write the run's logs: {error}", DISK_EXIT
+        status, exit_code = f"stopped: could not write the run's logs: {error}", ExitCode.DISK
         warn(f"error: could not write the run's logs: {error}")
     finally:
         handlers.stop.restore()
@@ -91,7 +89,7 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     if rank == 0:
         environment = environment_record(process_device(config.device), world)
         exit_code = write_summary(recipe, trainer, handlers, started, status, environment,
-                                  disk_error_told=exit_code == DISK_EXIT) or exit_code
+                                  disk_error_told=exit_code == ExitCode.DISK) or exit_code
         close_tracker(tracker, status, started.run_dir)
     return exit_code
 

@@ -46,15 +46,16 @@ def test_the_recipe_runs_parse_as_the_recipe_reads_them(options, compile):
     assert args[0] == "cifar"
     config, _ = parse_args(Config, args[1:])
     assert config.compile is compile and config.epochs == Config().epochs
-    # airbench's LR per 1024 samples, scaled to each batch size: 1.5 at 1024, 0.375 at 256
-    assert config.lr == pytest.approx(1.5 * config.batch_size / 1024)
+    # airbench's LR per 1024 samples, scaled to each step's samples: 1.5 at 1024, 0.375 at 256
+    assert config.lr == pytest.approx(1.5 * config.batch_size * config.accum_steps / 1024)
     assert parse_args(Config, s5_gpu.recipe_args(options, compile, epochs=1)[1:])[0].epochs == 1
 
 
 def test_the_recipe_runs_at_both_step_batch_sizes():
-    batch_sizes = {parse_args(Config, s5_gpu.recipe_args(options, False, None)[1:])[0].batch_size
-                   for options in s5_gpu.RECIPE_RUNS}
-    assert batch_sizes == set(s5_gpu.BATCH_SIZES)
+    configs = [parse_args(Config, s5_gpu.recipe_args(options, False, None)[1:])[0]
+               for options in s5_gpu.RECIPE_RUNS]
+    assert {config.batch_size * config.accum_steps for config in configs} == set(
+        s5_gpu.BATCH_SIZES)
 
 
 def _step(arm: str, batch_size: int, ms: float) -> s5_gpu.StepRow:
