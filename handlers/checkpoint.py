@@ -32,6 +32,7 @@ from handlers.checkpoint_files import (
     CheckpointError,
     SingleFile,
     claimed_position,
+    committed_checkpoints,
     read_file,
     sidecar_of,
     unloadable_entry,
@@ -260,8 +261,7 @@ class Checkpointer:
         if not candidates:
             logger.info("no checkpoint in %s: starting fresh", self.dirname)
             return None
-        if not any(sidecar_of(path).exists() or path.name in self._link_names
-                   for path in candidates):
+        if not committed_checkpoints(self.dirname):
             # A run killed inside its first save: the .pt was never committed (its sidecar is
             # written after it) and last.pt never linked, so no checkpoint exists yet. With
             # last.pt or any sidecar present something was committed: a bad file is an error.

@@ -227,6 +227,20 @@ def checkpoint_in(folder: Path, name: str) -> Path | None:
     return None
 
 
+def committed_checkpoints(folder: Path) -> list[Path]:
+    """The checkpoints of either format in ``folder`` that were committed: those whose
+    sidecar exists (written last: a first save killed before it committed nothing; one whose
+    file has gone since was committed all the same), and the ``last``/``best`` links. The one
+    answer to "does this run hold a checkpoint" for every caller: the resume, ``--resume
+    never``, ``--init-from`` and the format check."""
+    if not folder.is_dir():
+        return []
+    names = {path.name for path in folder.iterdir()}
+    return sorted(folder / name for name in names if name in LINK_NAMES) + sorted(
+        folder / name.removesuffix(".json") for name in names
+        if name.endswith(".json") and CHECKPOINT_NAME.match(name.removesuffix(".json")))
+
+
 def is_checkpoint(path: Path) -> bool:
     """A checkpoint file, or a sharded checkpoint folder."""
     return path.is_file() or (path.suffix == ".dcp" and path.is_dir())

@@ -11,7 +11,7 @@ from handlers.checkpoint_files import (
     CHECKPOINT_NAME,
     SingleFile,
     claimed_position,
-    sidecar_of,
+    committed_checkpoints,
 )
 from handlers.sharded_checkpoint import ShardedFolder
 from recipes.runner.config.command_line import ConfigError
@@ -49,9 +49,8 @@ def refuse_other_format(strategy: str, run_dir: Path, resume: str) -> None:
     if resume not in ("auto", "never"):
         found = [Path(resume)]
     else:
-        folder = run_dir / "checkpoints"
-        found = [path for path in folder.iterdir() if CHECKPOINT_NAME.match(path.name)
-                 and sidecar_of(path).exists()] if folder.is_dir() else []
+        found = [path for path in committed_checkpoints(run_dir / "checkpoints")
+                 if CHECKPOINT_NAME.match(path.name)]
     if not found or any(path.suffix == wanted for path in found):
         return
     other = max(found, key=claimed_position)  # the newest

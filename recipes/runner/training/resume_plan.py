@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import new_run_id
-from handlers.checkpoint_files import checkpoint_in
+from handlers.checkpoint_files import committed_checkpoints
 from recipes.runner.config.command_line import ConfigError, resume_overrides
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say
@@ -104,7 +104,7 @@ def _plan_in(recipe: str, run_dir: Path, config: RunConfig, given: set[str], whe
              ) -> ResumePlan:
     """The plan once the folder is known: continue what it holds, or start afresh."""
     if config.resume == "never":
-        if any(path.suffix in (".pt", ".dcp") for path in (run_dir / "checkpoints").glob("*")):
+        if committed_checkpoints(run_dir / "checkpoints"):
             raise ConfigError(f"--resume never: {run_dir} already holds checkpoints; use "
                               "--resume auto to continue it or another --run-name to start "
                               "anew")
@@ -161,7 +161,6 @@ def fresh_init_from(config: Any, run_dir: Path) -> str:
     them: not given, ``--resume <file>``, or the folder holds a committed checkpoint
     (``last.pt``, ``last.dcp`` or a sidecar: a first save killed before its sidecar leaves
     none). The modes that train no run (``--lr-find``, ``--describe``) ask this alone."""
-    folder = run_dir / "checkpoints"
-    started = checkpoint_in(folder, "last") is not None or any(folder.glob("*.json"))
+    started = bool(committed_checkpoints(run_dir / "checkpoints"))
     return config.init_from if (config.init_from and config.resume in ("auto", "never")
                                 and not started) else ""

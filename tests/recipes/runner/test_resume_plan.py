@@ -134,6 +134,18 @@ def test_resume_never_refuses_a_folder_that_holds_checkpoints(tmp_path):
         plan("--run-name", "a", "--resume", "never")
 
 
+def test_never_and_auto_agree_on_a_first_save_killed_before_its_sidecar(tmp_path):
+    """Not committed: both start the folder afresh (one predicate, ``committed_checkpoints``)."""
+    folder = Path("runs/charlm/a/checkpoints")
+    folder.mkdir(parents=True)
+    (folder / "step-00000004.pt").write_bytes(b"half a save")
+    assert plan("--run-name", "a", "--resume", "never")[0].action == FRESH
+    assert plan("--run-name", "a")[0].action == FRESH
+    (folder / "step-00000004.pt.json").write_text("{}")  # committed
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        plan("--run-name", "a", "--resume", "never")
+
+
 def test_an_empty_run_name_is_refused():
     with pytest.raises(ConfigError, match="^--run-name: must not be empty"):
         plan("--run-name", "")
