@@ -144,6 +144,26 @@ def test_unwrapped_command_line_with_the_full_size_net_resumes_identically(harne
     reference.assert_same_metrics(run_dir)
 
 
+@pytest.mark.slow
+def test_kill9_of_the_cifar_defaults_accumulation_resumes_identically(harness, tmp_path):
+    """The cifar default makes each optimizer step of two micro-batches (``--accum-steps 2``,
+    512 + 512 samples; here 32 + 32): killed mid-run, its resume is bit-identical."""
+    if harness.recipe != "cifar":
+        pytest.skip("the cifar recipe's default accumulation")
+    accum = ("--accum-steps", "2")
+    assert harness.run_recipe(tmp_path / "reference", *accum).returncode == 0
+    reference = harness.Reference.of(tmp_path / "reference")
+    run_dir = tmp_path / "run"
+    killed = harness.run_and_signal(run_dir, signal.SIGKILL, 3, 0.3, *accum)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+    resumed = harness.run_recipe(run_dir, *accum)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    reference.assert_matches(run_dir)
+    reference.assert_same_metrics(run_dir)
+
+
 def test_rerun_of_a_finished_run_trains_nothing_and_changes_no_checkpoint(reference, harness,
                                                                           tmp_path):
     """As after a kill between the final save and the exit (or a second start by mistake)."""

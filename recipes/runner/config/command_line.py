@@ -243,6 +243,8 @@ def help_text(config_cls: type, prog: str, description: str, recipe_name: str,
     lines = [f"usage: {prog} [--key value ...]",
              f"example: {prog} --epochs 2 --run-name first-try",
              f"from a file: {prog} --config FILE.toml (or .json); --print-config prints one",
+             "also: --describe prints the run's wiring (every event and its handlers); "
+             "--lr-find runs an LR range test and suggests --lr",
              "",
              description, "",
              "keys (default, meaning); every key takes a value, true/false for a switch "

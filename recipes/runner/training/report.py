@@ -88,9 +88,11 @@ def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
     # The epoch in progress, 1-based, as the progress lines count it (a stop mid-epoch 1 is
     # in epoch 1, not after epoch 0).
     epoch = max(1, math.ceil(summary["optimizer_steps"] / evaluations.steps_per_epoch))
+    early = (" (stopped early: no better validation for --patience evaluations)"
+             if status == "completed" and summary["stopped_early"] else "")
     lines = [f"{status}: epoch {epoch}/{epochs}, "
              f"{summary['optimizer_steps']:,} steps in "
-             f"{format_duration(summary['wall_time_sec'])}"]
+             f"{format_duration(summary['wall_time_sec'])}{early}"]
     diverged = divergence(handlers.history)
     if diverged is not None:  # a run can complete every epoch and still have diverged
         lines.append(f"  warning  {diverged}: the run diverged; try a lower --lr (a third "

@@ -414,3 +414,5 @@ def test_help_names_config_files_under_the_example():
     lines = help_text(CIFAR, "prog", "", "cifar").splitlines()
     assert lines[2] == ("from a file: prog --config FILE.toml (or .json); --print-config "
                         "prints one")
+    assert lines[3].startswith("also: --describe prints the run's wiring") and (
+        "--lr-find runs an LR range test" in lines[3])

@@ -55,3 +55,19 @@ def test_a_run_that_completed_with_a_diverged_loss_says_so_at_the_end(tmp_path):
                         "loss 1.1: the run diverged; try a lower --lr (a third or a tenth)")
     history.val["loss"] = [1.0, 0.9]
     assert not any("warning" in line for line in closing("images", summary, tmp_path, handlers))
+
+
+def test_a_run_ended_by_early_stopping_says_so_in_its_first_closing_line(tmp_path):
+    history = RunHistory(batch_size=32, telemetry=GradientTelemetry(log_every=1))
+    history.train["loss"] = [1.1]
+    history.val = {"step": [3, 6], "loss": [1.0, 1.2], "accuracy": [0.5, 0.4]}
+    evaluations = SimpleNamespace(history=history, best=Goal("accuracy", "max"),
+                                  steps_per_epoch=3)
+    handlers = SimpleNamespace(history=history, evaluation=SimpleNamespace(epochs=50),
+                               progress=SimpleNamespace(evaluations=evaluations))
+    summary = {"status": "completed", "epochs_completed": 2, "optimizer_steps": 6,
+               "wall_time_sec": 5.0, "stopped_early": True}
+    lines = closing("images", summary, tmp_path, handlers)
+    assert lines[0] == ("completed: epoch 2/50, 6 steps in 5s (stopped early: no better "
+                        "validation for --patience evaluations)")
+    assert not any(line.startswith("  longer") for line in lines)
