@@ -73,9 +73,17 @@ def header(recipe_name: str, config: RunConfig, run_dir: Path, samples: tuple[in
         + (f" from {source}" if source else ""),
         f"  model    {name}, {parameters:,} parameters",
         *init,
-        f"  device   {device}, {precision.name}; {epochs} of batch {config.batch_size}",
+        f"  device   {device}, {precision.name}; {epochs} of batch {_batch(config)}",
         f"  watch    {TENSORBOARD}",
     ]
+
+
+def _batch(config: Any) -> str:
+    """The samples of an optimizer step, and its micro-batches when there are several."""
+    if config.accum_steps == 1:
+        return str(config.batch_size)
+    return (f"{config.batch_size * config.accum_steps} ({config.accum_steps} micro-batches of "
+            f"{config.batch_size} a step)")
 
 
 def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,

@@ -38,6 +38,15 @@ def test_the_model_line_names_the_recipes_class_under_fsdp_too(tmp_path):
     assert "  model    TinyNet, 30 parameters" in lines
 
 
+def test_the_device_line_gives_the_steps_samples_and_its_micro_batches(tmp_path):
+    lines = header("charlm", Config(device="cpu", epochs=8, batch_size=512, accum_steps=2),
+                   tmp_path, (8, 2), TinyNet())
+    assert "  device   cpu, fp32; 8 epochs of batch 1024 (2 micro-batches of 512 a step)" in lines
+    lines = header("charlm", Config(device="cpu", epochs=1, batch_size=64), tmp_path, (8, 2),
+                   TinyNet())
+    assert "  device   cpu, fp32; 1 epoch of batch 64" in lines
+
+
 def test_a_run_that_completed_with_a_diverged_loss_says_so_at_the_end(tmp_path):
     """The images recipe at too high an LR completed its epochs; the closing lines say that
     it diverged (ln(3) at the start, 613.6 and 1532 at the evaluations)."""
