@@ -39,7 +39,8 @@ CLI_TIMEOUT_SEC = 600  # a hung run fails its test instead of hanging the suite
 # The tiny run whose outputs several tests inspect: 256 // 64 = 4 optimizer steps per epoch.
 PYTHON = shlex.quote(sys.executable)  # what a subprocess's next steps name
 TINY = ["--dataset", "synthetic", "--train-subset", "256", "--val-subset", "128",
-        "--batch-size=64", "--epochs=2", "--warmup-epochs", "0.5", "--progress", "off"]
+        "--batch-size=64", "--accum-steps=1", "--epochs=2", "--warmup-epochs", "0.5",
+        "--progress", "off"]
 TINY_STEPS = 2 * (256 // 64)
 # Half an epoch of warmup, no test-time augmentation, no progress display.
 QUICK_EVAL = ["--warmup-epochs", "0.5", "--tta", "none", "--final-tta", "none",
@@ -332,8 +333,9 @@ def test_tiny_run_config_json_holds_the_resolved_config(tiny_run):
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["run_id"]
     expected = dataclasses.asdict(Config(
-        dataset="synthetic", train_subset=256, val_subset=128, batch_size=64, epochs=2,
-        warmup_epochs=0.5, progress="off", run_name="tiny"))
+        dataset="synthetic", train_subset=256, val_subset=128, batch_size=64, accum_steps=1,
+        epochs=2, warmup_epochs=0.5, progress="off", run_name="tiny"))
+    assert saved["recipe"] == "cifar"
     assert saved["config"] == {key: value for key, value in expected.items()
                                if key not in REQUEST_KEYS}  # --resume asks of one start only
 
@@ -476,7 +478,8 @@ def test_a_summary_the_disk_refuses_is_one_error_line_and_exit_4(tmp_path, monke
 
 def test_a_run_on_image_folders(tmp_path):
     write_image_folders(tmp_path / "images")  # 40 training and 20 test images
-    result = run_cli(["cifar", "--data-dir", "images", "--batch-size", "20", "--epochs", "2",
+    result = run_cli(["cifar", "--data-dir", "images", "--batch-size", "20", "--accum-steps", "1",
+                      "--epochs", "2",
                       *QUICK_EVAL, "--run-name", "folders"], tmp_path)
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "cifar" / "folders"

@@ -9,6 +9,7 @@ import torch
 
 from handlers.checkpoint import read_checkpoint
 from recipes.__main__ import main
+from recipes.cifar.config import Config
 from tests.helpers import CHARLM, CIFAR, digests, one_error_line, write_text
 
 CIFAR_MUON = [*CIFAR, "--optimizer", "muon", "--scheduler", "none", "--lookahead", "false",
@@ -138,7 +139,7 @@ def test_a_longer_muon_run_resumed_ends_bit_identical_to_a_straight_one(tmp_path
 
     state = read_checkpoint(tmp_path / "resumed" / "checkpoints" / "last.pt")
     groups = {group["name"]: group["lr"] for group in state["optimizer"]["param_groups"]}
-    assert groups["muon"] == 0.04, groups
+    assert groups["muon"] == Config().muon_lr, groups
     expected = final_weights(tmp_path / "straight")
     for name, tensor in final_weights(tmp_path / "resumed").items():
         assert torch.equal(tensor, expected[name]), name

@@ -140,7 +140,7 @@ def sharded_run(tmp_path, monkeypatch) -> Path:
     gathered: a resume check reads its meta alone (the whole model may not fit one process)."""
     folder = ShardedFolder()
     model = nn.Linear(3, 2)
-    sidecar = {"format_version": FORMAT_VERSION, "run_id": "run-a", "iteration": 1,
+    sidecar = {"format_version": FORMAT_VERSION, "run_id": "run-a", "epoch": 1, "iteration": 1,
                "optimizer_step": 1}
     meta = sidecar | {"config": {"lr": 0.2, "data": {"sha256": "abc"}}}
     payload = folder.snapshot({"model": model}) | {"meta": meta, "checkpointer": {}}
