@@ -47,35 +47,33 @@ def test_the_device_line_gives_the_steps_samples_and_its_micro_batches(tmp_path)
     assert "  device   cpu, fp32; 1 epoch of batch 64" in lines
 
 
+def _two_evaluations(losses: list[float], epochs: int, stopped_early: bool):
+    """(handlers, summary) of an images run of 3 steps an epoch with two evaluations."""
+    history = RunHistory(batch_size=32, telemetry=GradientTelemetry(log_every=1))
+    history.train["loss"] = [1.1]
+    history.val = {"step": [3, 6], "loss": losses, "accuracy": [0.33, 0.33]}
+    evaluations = SimpleNamespace(history=history, best=Goal("accuracy", "max"),
+                                  steps_per_epoch=3)
+    handlers = SimpleNamespace(history=history, evaluation=SimpleNamespace(epochs=epochs),
+                               progress=SimpleNamespace(evaluations=evaluations))
+    summary = {"status": "completed", "epochs_completed": 2, "optimizer_steps": 6,
+               "wall_time_sec": 5.0, "stopped_early": stopped_early}
+    return handlers, summary
+
+
 def test_a_run_that_completed_with_a_diverged_loss_says_so_at_the_end(tmp_path):
     """The images recipe at too high an LR completed its epochs; the closing lines say that
     it diverged (ln(3) at the start, 613.6 and 1532 at the evaluations)."""
-    history = RunHistory(batch_size=32, telemetry=GradientTelemetry(log_every=1))
-    history.train["loss"] = [1.1]
-    history.val = {"step": [3, 6], "loss": [613.6, 1532.0], "accuracy": [0.33, 0.33]}
-    evaluations = SimpleNamespace(history=history, best=Goal("accuracy", "max"),
-                                  steps_per_epoch=3)
-    handlers = SimpleNamespace(history=history, evaluation=SimpleNamespace(epochs=2),
-                               progress=SimpleNamespace(evaluations=evaluations))
-    summary = {"status": "completed", "epochs_completed": 2, "optimizer_steps": 6,
-               "wall_time_sec": 5.0, "stopped_early": False}
+    handlers, summary = _two_evaluations([613.6, 1532.0], epochs=2, stopped_early=False)
     lines = closing("images", summary, tmp_path, handlers)
     assert lines[1] == ("  warning  the validation loss rose to 1532, over 3x the first training "
                         "loss 1.1: the run diverged; try a lower --lr (a third or a tenth)")
-    history.val["loss"] = [1.0, 0.9]
+    handlers.history.val["loss"] = [1.0, 0.9]
     assert not any("warning" in line for line in closing("images", summary, tmp_path, handlers))
 
 
 def test_a_run_ended_by_early_stopping_says_so_in_its_first_closing_line(tmp_path):
-    history = RunHistory(batch_size=32, telemetry=GradientTelemetry(log_every=1))
-    history.train["loss"] = [1.1]
-    history.val = {"step": [3, 6], "loss": [1.0, 1.2], "accuracy": [0.5, 0.4]}
-    evaluations = SimpleNamespace(history=history, best=Goal("accuracy", "max"),
-                                  steps_per_epoch=3)
-    handlers = SimpleNamespace(history=history, evaluation=SimpleNamespace(epochs=50),
-                               progress=SimpleNamespace(evaluations=evaluations))
-    summary = {"status": "completed", "epochs_completed": 2, "optimizer_steps": 6,
-               "wall_time_sec": 5.0, "stopped_early": True}
+    handlers, summary = _two_evaluations([1.0, 1.2], epochs=50, stopped_early=True)
     lines = closing("images", summary, tmp_path, handlers)
     assert lines[0] == ("completed: epoch 2/50, 6 steps in 5s (stopped early: no better "
                         "validation for --patience evaluations)")
