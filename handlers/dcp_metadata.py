@@ -19,8 +19,8 @@ only these things with a value that is not plain data, and each is checked:
 - call something (``REDUCE``, ``NEWOBJ``, ``NEWOBJ_EX``, ``OBJ``): only those classes and the
   layout lookup, whose constructors store their arguments and run no code of the file's choice;
 - set attributes (``BUILD``): only on an *instance* of an allowed class, never on a class
-  (``BUILD`` on ``PosixPath`` itself would change every path of the process), and never a
-  ``__dunder__`` name (no ``__class__`` swap);
+  (``BUILD`` on ``PosixPath`` itself would change every path of the process) or an enum member
+  (a singleton too), and never a ``__dunder__`` name (no ``__class__`` swap);
 - call ``append``/``extend``/``__setitem__``/``add`` (``APPEND(S)``, ``SETITEM(S)``,
   ``ADDITEMS``): only on a real list, dict or set;
 - ``PERSID``/``BINPERSID``: refused (pickle's default).
@@ -37,6 +37,7 @@ from 0.5 MB of shards is refused before anything is allocated.
 the planners below, which load byte entries with ``weights_only=True``.
 """
 
+import enum
 import io
 import math
 import os
@@ -137,8 +138,9 @@ class _MetadataUnpickler(pickle._Unpickler):
 
     def load_build(self) -> None:
         state, target = self.stack[-1], self.stack[-2]
-        if isinstance(target, type) or not any(type(target) is allowed
-                                               for allowed in self.allowed):
+        # An enum member is a process-wide singleton, as a class is: never built on.
+        if isinstance(target, type | enum.Enum) or not any(type(target) is allowed
+                                                          for allowed in self.allowed):
             self.refuse(f"sets attributes of {target!r:.60} (BUILD)")
         if "__setstate__" in vars(type(target)):  # the allowed class's own code reads it
             super().load_build()

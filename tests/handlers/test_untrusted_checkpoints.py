@@ -139,6 +139,22 @@ def test_build_of_a_special_attribute_or_from_a_non_dict_is_refused(sharded, sta
         read_metadata(sharded)
 
 
+def test_build_on_an_enum_member_is_refused_and_the_member_stays_as_it_was(sharded):
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    honest = (sharded / ".metadata").read_bytes()
+    # _MEM_FORMAT_ENCODING(value) is the shared member; then BUILD {"_value_": 99} on it.
+    hostile = (honest[:2] + b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
+               + b"K" + bytes([member.value]) + b"\x85R}X\x07\x00\x00\x00_value_Kcsb0"
+               + honest[2:])
+    (sharded / ".metadata").unlink()
+    (sharded / ".metadata").write_bytes(hostile)
+    with pytest.raises(CheckpointError, match=r"sets attributes of .*\(BUILD\)"):
+        read_metadata(sharded)
+    assert member.value == member._value_ != 99
+
+
 def test_the_build_prefix_does_run_under_plain_pickle():
     """The hostile prefix is what the test says: plain pickle builds the class (checked on a
     stand-in class, so that this process's paths stay whole)."""
