@@ -40,6 +40,7 @@ from handlers.untrusted_files import (
     CheckpointError,
     check_stored_zip,
     first_line,
+    is_count,
     open_checkpoint_file,
     read_small_file,
 )
@@ -121,7 +122,7 @@ def load_payload(path: Path, stream: BinaryIO | Path,
             raise CheckpointError(path, f"not a checkpoint: its {key!r} is a "
                                         f"{type(payload[key]).__name__}, not a dict")
     meta = payload["meta"]
-    wrong = [key for key in META_POSITION if not _whole_number(meta.get(key))]
+    wrong = [key for key in META_POSITION if not is_count(meta.get(key))]
     if wrong or not isinstance(meta.get("run_id"), str):
         raise CheckpointError(path, "not a checkpoint: its meta lacks a run id or a position "
                                     f"in whole numbers ({', '.join(wrong) or 'run_id'})")
@@ -280,7 +281,7 @@ def read_sidecar(path: Path) -> dict[str, Any]:
     if not isinstance(sidecar, dict) or not sidecar.keys() >= SIDECAR_KEYS:
         raise CheckpointError(path, f"unreadable {name}: not a sidecar")
     wrong = [key for key in ("size_bytes", "iteration", "optimizer_step", "format_version")
-             if not _whole_number(sidecar[key])]
+             if not is_count(sidecar[key])]
     if not (isinstance(sidecar["sha256"], str) and SHA256_HEX.fullmatch(sidecar["sha256"])):
         wrong.append("sha256")
     if not isinstance(sidecar["run_id"], str):
@@ -292,10 +293,6 @@ def read_sidecar(path: Path) -> dict[str, Any]:
         raise CheckpointError(path, f"format version {sidecar['format_version']}, this code "
                                     f"reads {FORMAT_VERSION}")
     return sidecar
-
-
-def _whole_number(value: Any) -> bool:
-    return type(value) is int and 0 <= value < 2**63
 
 
 def claimed_position(path: Path) -> tuple[float, float]:

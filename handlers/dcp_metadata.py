@@ -69,6 +69,7 @@ from handlers.untrusted_files import (
     FileWindow,
     check_stored_zip,
     first_line,
+    is_count,
     open_checkpoint_file,
     read_small_file,
 )
@@ -252,7 +253,7 @@ def _schema_problem(metadata: Any) -> str | None:
         if not (isinstance(index, MetadataIndex) and isinstance(index.fqn, str)
                 and (index.offset is None or _is_shape(index.offset))
                 and isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
-                and _is_count(info.offset) and _is_count(info.length)):
+                and is_count(info.offset) and is_count(info.length)):
             return "a storage record of the wrong types"
         if info.transform_descriptors:
             return f"storage transforms {info.transform_descriptors!r:.60}, which our saves " \
@@ -260,12 +261,8 @@ def _schema_problem(metadata: Any) -> str | None:
     return None
 
 
-def _is_count(value: Any) -> bool:
-    return type(value) is int and 0 <= value < 2**63
-
-
 def _is_shape(value: Any) -> bool:
-    return isinstance(value, torch.Size) and all(_is_count(length) for length in value)
+    return isinstance(value, torch.Size) and all(is_count(length) for length in value)
 
 
 def _shard_sizes(folder: Path, metadata: Metadata) -> dict[str, int]:

@@ -81,7 +81,12 @@ from handlers.dcp_metadata import (
     check_entries,
     read_metadata,
 )
-from handlers.untrusted_files import check_stored_zip, first_line, open_checkpoint_file
+from handlers.untrusted_files import (
+    check_stored_zip,
+    first_line,
+    is_count,
+    open_checkpoint_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +286,7 @@ def read_sharded(path: str | os.PathLike, *, expected_run_id: str | None = None,
     if not (isinstance(files, dict) and STATE_FILE in files
             and all(isinstance(name, str) and Path(name).name == name
                     and name not in ("", ".", "..")
-                    and isinstance(facts, dict) and _is_count(facts.get("size_bytes"))
+                    and isinstance(facts, dict) and is_count(facts.get("size_bytes"))
                     and isinstance(facts.get("sha256"), str) for name, facts in files.items())):
         raise CheckpointError(path, f"unreadable sidecar {sidecar_of(path).name}: not a "
                                     "sharded checkpoint's sidecar")
@@ -312,10 +317,6 @@ def read_sharded(path: str | os.PathLike, *, expected_run_id: str | None = None,
             if key in payload:
                 payload[key] = payload[key][0]
     return payload
-
-
-def _is_count(value: Any) -> bool:
-    return type(value) is int and 0 <= value < 2**63
 
 
 def _check_folder_link(path: Path) -> None:

@@ -130,6 +130,12 @@ class FileWindow(io.RawIOBase):
         return len(data)
 
 
+def is_count(value: object) -> bool:
+    """A whole number a checkpoint may hold for a size, an offset or a position: an ``int``
+    (not a bool, not a float such as JSON's ``1e999``) in [0, 2**63)."""
+    return type(value) is int and 0 <= value < 2**63
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an error's message, or its type's name when it has none: a reason is
     never empty."""
