@@ -104,10 +104,9 @@ def check_run_id(path: Path, sidecar: dict[str, Any], expected_run_id: str | Non
 def load_payload(path: Path, stream: BinaryIO | Path,
                  required_keys: tuple[str, ...]) -> dict[str, Any]:
     """``torch.load(stream, weights_only=True)`` of checkpoint ``path``, checked to be a dict
-    holding the reserved keys and ``required_keys``, those and the model's and optimizer's
-    state a dict, and a ``meta`` whose
-    position is whole numbers: what every reader of a checkpoint then indexes without
-    checking again."""
+    holding the reserved keys and ``required_keys``; the reserved entries and the model's and
+    optimizer's state are dicts, and ``meta`` holds a run id and a position in whole numbers:
+    what every reader of a checkpoint then indexes without checking again."""
     try:
         payload = torch.load(stream, map_location="cpu", weights_only=True)
     except Exception as err:  # weights_only refusals, zip errors: all mean "not ours"
