@@ -50,8 +50,9 @@ def field(
 ) -> Any:
     """A config field. ``check(value)`` returns an error text or None.
 
-    ``fixed_on_resume`` marks keys that shape the saved state (model, batch
-    shapes): a resumed run refuses to change them. ``group`` names the block of
+    A value outside ``choices`` is refused naming them, with ``check``'s text for it as the
+    reason when it gives one. ``fixed_on_resume`` marks keys that shape the saved state
+    (model, batch shapes): a resumed run refuses to change them. ``group`` names the block of
     ``--help`` that lists the key (and ``group_values`` reads); a field declared again
     without one keeps the group of the field it replaces.
     """
@@ -136,7 +137,9 @@ def check_value(spec: dataclasses.Field, value: Any) -> None:
         raise ConfigError(f"{key}: {problem}")
     if meta.get("choices") and value not in meta["choices"]:
         allowed = ", ".join(str(c) for c in meta["choices"])
-        raise ConfigError(f"{key}: {value!r} is not allowed; choose one of: {allowed}")
+        why = meta["check"](value) if meta.get("check") else None  # a field's own reason
+        raise ConfigError(f"{key}: {value!r} is not allowed{f' ({why})' if why else ''}; "
+                          f"choose one of: {allowed}")
     if isinstance(value, int | float) and not isinstance(value, bool):
         if value != value or value in (float("inf"), float("-inf")):
             raise ConfigError(f"{key}: must be a finite number, got {value}")

@@ -53,6 +53,13 @@ distributed_key = partial(field, group="distributed")
 tracking_key = partial(field, group="tracking")
 
 
+def _tensorboard_is_on(tracker: str) -> str | None:
+    if tracker == "tensorboard":
+        return ("every run already writes TensorBoard's event file into its folder: make "
+                "tensorboard; --tracker adds another")
+    return None
+
+
 def check_run_name(name: str) -> str | None:
     """An error text for a bad run name, else None: 1-64 of letters, digits, '.', '_', '-',
     not starting with '.' or '-' (so no '..', no '/', no hidden folders)."""
@@ -237,7 +244,8 @@ class RunConfig:
     tracker: str = tracking_key("none", "also log the config, every scalar, the best checkpoint "
                                 "and curves.png to an experiment tracker (mlflow: pip install "
                                 "-e '.[mlflow]'; wandb: pip install -e '.[wandb]', offline "
-                                "unless WANDB_MODE says otherwise)", choices=TRACKER_NAMES)
+                                "unless WANDB_MODE says otherwise; TensorBoard is always "
+                                "written)", choices=TRACKER_NAMES, check=_tensorboard_is_on)
     tracker_uri: str = tracking_key("", "where the tracker logs (mlflow: a tracking URI or a "
                                     "folder; default: mlruns/ in the working directory, or "
                                     "the store this run logged to before; wandb: the folder "

@@ -171,6 +171,9 @@ def test_tracker_mlflow_without_mlflow_installed_exits_2_and_writes_nothing(
 def test_an_unknown_tracker_is_refused_with_the_known_ones(tmp_path, capsys):
     code = main([*CHARLM, "--text", str(tmp_path / "corpus.txt"), "--tracker", "comet"])
     one_error_line(code, capsys.readouterr().err, "--tracker", "none, mlflow, wandb")
+    code = main([*CHARLM, "--text", str(tmp_path / "corpus.txt"), "--tracker", "tensorboard"])
+    one_error_line(code, capsys.readouterr().err, "'tensorboard' is not allowed (every run "
+                   "already writes TensorBoard's event file into its folder", "mlflow, wandb")
 
 
 @needs_mlflow
