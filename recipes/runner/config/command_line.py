@@ -262,20 +262,22 @@ def help_text(config_cls: type, prog: str, description: str, recipe_name: str,
 FOLDER_KEYS = ("run_dir", "run_name")
 
 
-def resume_overrides(saved: dict[str, Any], config: Any, given: set[str]) -> list[str]:
-    """Compare a saved run's config with the new one.
+def resume_overrides(saved: dict[str, Any], config: Any, given: set[str]
+                     ) -> tuple[Any, list[str]]:
+    """A resumed run's config, settled from its saved one, and the ``override:`` lines.
 
-    Keys marked ``fixed_on_resume`` must not change (ConfigError naming the key);
-    other keys given on the command line win and are reported as
-    ``override: key old -> new``; keys not given are taken from the saved run.
+    The precedence (docs/reference.md#precedence): keys marked ``fixed_on_resume`` must not
+    change (ConfigError naming the key); other keys given on the command line win and are
+    reported as ``override: key old -> new``; keys not given are taken from the saved run.
+    ``config`` itself is left as it is: the settled one is a new value.
     """
-    messages = []
+    messages, taken_back = [], {}
     for spec in dataclasses.fields(config):
         if spec.name not in saved:
             continue
         old, new = saved[spec.name], getattr(config, spec.name)
         if spec.name not in given:
-            setattr(config, spec.name, old)
+            taken_back[spec.name] = old
         elif old != new and spec.name not in FOLDER_KEYS:  # where, not what
             if spec.metadata.get("fixed_on_resume"):
                 raise ConfigError(
@@ -283,5 +285,6 @@ def resume_overrides(saved: dict[str, Any], config: Any, given: set[str]) -> lis
                     "shapes the saved state. Start a new run (another --run-name) instead"
                 )
             messages.append(f"override: {spec.name} {old!r} -> {new!r}")
-    validate(config)
-    return messages
+    settled = dataclasses.replace(config, **taken_back)
+    validate(settled)
+    return settled, messages

@@ -32,14 +32,16 @@ def join_group(recipe: Recipe, config: RunConfig, given: set[str], keys_from: st
     if idist.get_rank() == 0:
         try:
             plan = plan_resume(recipe.name, recipe.best, config, given, keys_from)
+            for line in plan.notes:
+                say(line)
             if plan.action == COMPLETE:
                 started = json.dumps({"complete": plan.report})
             else:
                 lock = RunLock(plan.run_dir)
-                ready = setup(recipe, config, plan, lock)
+                ready = setup(recipe, plan, lock)
                 started = json.dumps({"run_dir": str(ready.run_dir), "run_id": ready.run_id,
                                       "data": ready.fingerprint, "init_from": ready.init_from,
-                                      "config": dataclasses.asdict(config)})
+                                      "config": dataclasses.asdict(plan.config)})
         except USER_ERRORS as error:
             started = json.dumps({"error": str(error)})
         except FolderWriteError as error:

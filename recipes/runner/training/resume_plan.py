@@ -3,20 +3,24 @@ afresh (from ``--init-from``'s weights or from scratch), and why: decided here a
 
 ``plan_resume`` reads the run folder (``config.json``, else its newest checkpoint that
 verifies), the ``--resume`` request and torchrun's restart count, and returns a
-``ResumePlan``. The rest of the run layer carries the plan out: the start checks verify its
-checkpoint file and write its run id, every process loads the checkpoint ``config.resume``
-names (``handlers.Checkpointer.resume``: ``auto`` is the newest that verifies) and the
-``--init-from`` weights the plan names.
+``ResumePlan``: a value holding every decision, its reason, the lines that tell it and the
+settled config (the caller's config is never written; the precedence of a key's values is
+docs/reference.md#precedence). The rest of the run layer carries the plan out: the start
+checks verify its checkpoint file and write its run id, every process loads the checkpoint
+``plan.config.resume`` names (``handlers.Checkpointer.resume``: ``auto`` is the newest that
+verifies) and the ``--init-from`` weights the plan names.
 
 The rules (README, "Resuming"):
 
 - torchrun restarted the group: ``--resume auto``, whatever the first start asked (a file
   would go back to an older step, ``never`` would start the run over; ``elastic.py``);
 - a command that names no folder continues the newest run of the same keys
-  (``continue_run.py``), or reports it complete; ``--resume never`` starts a new one; keys
+  (``continue_run.py``); ``--resume never`` starts a new one; keys
   taken from a run folder's config.json never find that run itself (they start one of
   their own, which the same command then continues);
 - ``--resume never`` refuses a folder that holds checkpoints (it would mix two runs);
+- a folder whose summary.json says completed (found or named, ``--resume auto``) is
+  reported complete before anything is built, loaded or written;
 - a folder with a ``config.json`` (or a checkpoint that holds its copy) continues that run:
   its run id, its keys unless given again (``override:`` lines), its data;
 - ``--init-from`` applies to a fresh run only: no committed checkpoint in the folder and no
@@ -24,16 +28,16 @@ The rules (README, "Resuming"):
 """
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine import new_run_id
 from handlers.checkpoint_files import committed_checkpoints
-from recipes.runner.config.command_line import ConfigError, resume_overrides
+from recipes.runner.config.command_line import FOLDER_KEYS, ConfigError, resume_overrides
 from recipes.runner.config.run_keys import RunConfig
-from recipes.runner.console import say
 from recipes.runner.training.continue_run import (
+    RUN_REQUESTS,
     new_timestamp_folder,
     newest_same_run,
     report_if_complete,
@@ -50,76 +54,101 @@ TRAIN_AGAIN = "--resume never (a new timestamped folder) or a --run-name"
 @dataclass(frozen=True)
 class ResumePlan:
     """What this start does. ``action``: ``continue`` (the run in ``run_dir``, from the
-    checkpoint ``source`` names: ``auto`` is the newest that verifies, else a file),
+    checkpoint ``config.resume`` names: ``auto`` is the newest that verifies, else a file),
     ``fresh`` (a new run, from ``init_from``'s weights when set) or ``complete`` (nothing to
-    train: ``report`` says so and ends the command). ``reason`` says why, in words."""
+    train: ``report`` says so and ends the command). ``reason`` says why, in words;
+    ``config`` is the settled config the run trains with (its folder, the saved keys a
+    continued run takes back, ``--resume auto`` after a torchrun restart); ``notes`` are
+    the lines that tell the user what was chosen, printed by whoever carries the plan out."""
 
     action: str
     run_dir: Path
     reason: str
-    source: str = "auto"
+    config: RunConfig
     run_id: str = ""
     saved: dict[str, Any] | None = None  # the run's config.json (or its checkpoint's copy)
-    overrides: list[str] = field(default_factory=list)  # "override: key old -> new" lines
+    notes: tuple[str, ...] = ()  # "continuing <folder>", "override: key old -> new", ...
     init_from: str = ""  # the weights a fresh run begins with
     init_ignored: str = ""  # the line that says why a given --init-from is not taken
     report: str = ""
 
+    @property
+    def source(self) -> str:
+        """The checkpoint a continued run loads: ``auto``, ``never`` or a file."""
+        return self.config.resume
+
 
 def plan_resume(recipe: str, best: str, config: RunConfig, given: set[str],
                 keys_from: str = "") -> ResumePlan:
-    """Decide this start (see the module's rules) and settle ``config`` to it: ``run_dir``
-    when the folder was found by the keys, ``resume`` when a restart overrides it, and the
-    saved keys a continued run takes back. ``keys_from``: the id of the run whose
-    config.json gave the keys, never continued unless named. Raises ``ConfigError`` for a
-    start that cannot be carried out; prints what it chose (a restart's override, a run found
-    by its keys)."""
+    """Decide this start (see the module's rules) and return it with the settled config;
+    ``config`` itself is not written. ``keys_from``: the id of the run whose config.json gave
+    the keys, never continued unless named. Raises ``ConfigError`` for a start that cannot be
+    carried out."""
+    notes: list[str] = []
     if launched_by_torchrun() and restart_count() and config.resume != "auto":
-        say(f"torchrun restart {restart_count()}: --resume {config.resume} becomes auto "
-            "(the newest good checkpoint of the run)")
-        config.resume = "auto"
-    named = bool(config.run_dir or config.run_name or given & {"run_dir", "run_name"})
+        notes.append(f"torchrun restart {restart_count()}: --resume {config.resume} becomes "
+                     "auto (the newest good checkpoint of the run)")
+        config = dataclasses.replace(config, resume="auto")
     if "run_name" in given and not config.run_name:
         raise ConfigError("--run-name: must not be empty; leave it out for a timestamp")
-    if named:
-        return _plan_in(recipe, resolve_run_dir(recipe, config.run_name, config.run_dir),
-                        config, given, "the folder named by --run-name or --run-dir")
-    found = None if config.resume == "never" else newest_same_run(recipe, config, keys_from)
-    if found is None:
-        config.run_dir = str(new_timestamp_folder(recipe))
-        why = ("--resume never: a new timestamped folder" if config.resume == "never"
-               else "no earlier run of these keys: a new timestamped folder")
-        return _plan_in(recipe, Path(config.run_dir), config, given, why)
-    report = report_if_complete(found, best, TRAIN_AGAIN) if config.resume == "auto" else None
-    if report is not None:
-        return ResumePlan(COMPLETE, found, "the newest run of these keys completed",
-                          source=config.resume, report=report)
-    say(f"continuing {found} (the newest run of this command; --resume never starts a new "
-        "one)")
-    config.run_dir = str(found)
-    return _plan_in(recipe, found, config, given, "the newest run of these keys")
+    if config.run_dir or config.run_name or given & {"run_dir", "run_name"}:
+        run_dir = resolve_run_dir(recipe, config.run_name, config.run_dir)
+        where, train_again = "the folder named by --run-name or --run-dir", "another --run-name"
+    else:
+        found = None if config.resume == "never" else newest_same_run(recipe, config, keys_from)
+        train_again = TRAIN_AGAIN
+        if found is None:
+            run_dir = new_timestamp_folder(recipe)
+            where = ("--resume never: a new timestamped folder" if config.resume == "never"
+                     else "no earlier run of these keys: a new timestamped folder")
+        else:
+            run_dir, where = found, "the newest run of these keys"
+            notes.append(f"continuing {found} (the newest run of this command; --resume never "
+                         "starts a new one)")
+    config = dataclasses.replace(config, run_dir=str(run_dir))
+    return _plan_in(recipe, best, run_dir, config, given, where, train_again, notes)
 
 
-def _plan_in(recipe: str, run_dir: Path, config: RunConfig, given: set[str], where: str
-             ) -> ResumePlan:
-    """The plan once the folder is known: continue what it holds, or start afresh."""
+def _plan_in(recipe: str, best: str, run_dir: Path, config: RunConfig, given: set[str],
+             where: str, train_again: str, notes: list[str]) -> ResumePlan:
+    """The plan once the folder is known: report it complete, continue what it holds, or
+    start afresh."""
     if config.resume == "never":
         if committed_checkpoints(run_dir / "checkpoints"):
             raise ConfigError(f"--resume never: {run_dir} already holds checkpoints; use "
                               "--resume auto to continue it or another --run-name to start "
                               "anew")
-        return _fresh(run_dir, config, given, f"{where}; --resume never")
+        return _fresh(run_dir, config, given, f"{where}; --resume never", notes)
     saved = without_requests(read_saved_config(run_dir)
                              or saved_in_checkpoints(run_dir / "checkpoints"))
     if saved is None:
-        return _fresh(run_dir, config, given, f"{where} holds no run")
+        return _fresh(run_dir, config, given, f"{where} holds no run", notes)
     _refuse_another_recipe(recipe, run_dir, saved, config)
-    overrides = resume_overrides(saved["config"], config, given)
+    settled, overrides = resume_overrides(saved["config"], config, given)
+    report = _completed_report(run_dir, best, saved["config"], settled, train_again)
+    if report is not None:  # nothing is continued: only the report is said
+        return ResumePlan(COMPLETE, run_dir, f"{where}: its summary says completed", settled,
+                          run_id=saved["run_id"], saved=saved, report=report)
     source = ("the checkpoint given by --resume" if config.resume != "auto"
               else "its newest checkpoint that verifies, if any")
     return ResumePlan(CONTINUE, run_dir, f"{where} holds run {saved['run_id']}: from {source}",
-                      source=config.resume, run_id=saved["run_id"], saved=saved,
-                      overrides=overrides, **_init_from(run_dir, config, given))
+                      settled, run_id=saved["run_id"], saved=saved,
+                      notes=(*notes, *overrides), **_init_from(run_dir, settled, given))
+
+
+def _completed_report(run_dir: Path, best: str, saved: dict[str, Any], settled: RunConfig,
+                      train_again: str) -> str | None:
+    """The report of a run whose summary.json says it completed, for ``--resume auto`` with
+    the keys it completed with: the one evidence of "complete", whether the folder was named
+    or found by its keys. A changed key (``--epochs 20`` trains on, ``--lr`` re-plans) is a
+    continuation; so is a run killed after its final checkpoint but before its summary: its
+    loaded state has no step left, and it writes its end again."""
+    changed = {key for key, value in saved.items()
+               if key not in (*RUN_REQUESTS, *FOLDER_KEYS)
+               and getattr(settled, key, value) != value}
+    if settled.resume != "auto" or changed:
+        return None
+    return report_if_complete(run_dir, best, train_again)
 
 
 def _refuse_another_recipe(recipe: str, run_dir: Path, saved: dict[str, Any],
@@ -140,8 +169,9 @@ def _refuse_another_recipe(recipe: str, run_dir: Path, saved: dict[str, Any],
                           "--run-name")
 
 
-def _fresh(run_dir: Path, config: RunConfig, given: set[str], why: str) -> ResumePlan:
-    return ResumePlan(FRESH, run_dir, why, source=config.resume, run_id=new_run_id(),
+def _fresh(run_dir: Path, config: RunConfig, given: set[str], why: str, notes: list[str]
+           ) -> ResumePlan:
+    return ResumePlan(FRESH, run_dir, why, config, run_id=new_run_id(), notes=tuple(notes),
                       **_init_from(run_dir, config, given))
 
 

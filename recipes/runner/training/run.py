@@ -42,11 +42,14 @@ def run(recipe: Recipe, config: RunConfig, given: set[str], keys_from: str = "")
             exit_code = join_group(recipe, config, given, keys_from)
         exit_process(exit_code)
     plan = plan_resume(recipe.name, recipe.best, config, given, keys_from)
+    for line in plan.notes:
+        say(line)
     if plan.action == COMPLETE:
         say(plan.report)
         return 0
+    config = plan.config
     try:
-        with locked_setup(recipe, config, plan) as (started, lock):
+        with locked_setup(recipe, plan) as (started, lock):
             if config.nproc == 1:
                 exit_code = train(recipe, config, started)
             else:  # every process holds the lock too: it outlives this one if this is killed

@@ -62,22 +62,20 @@ def launch_of(config: RunConfig):
 
 
 @contextmanager
-def locked_setup(recipe: Recipe, config: RunConfig, plan: ResumePlan
-                 ) -> Iterator[tuple[Started, RunLock]]:
+def locked_setup(recipe: Recipe, plan: ResumePlan) -> Iterator[tuple[Started, RunLock]]:
     """``setup`` under the run folder's lock, held here until the run ends (the whole
     group's), and the lock, for the spawned processes to hold as well."""
     lock = RunLock(plan.run_dir)
     try:
-        yield setup(recipe, config, plan, lock), lock
+        yield setup(recipe, plan, lock), lock
     finally:
         lock.release()
 
 
-def setup(recipe: Recipe, config: RunConfig, plan: ResumePlan, lock: RunLock | None
-          ) -> Started:
-    """Check the config and the data, take the run folder's lock, then write the folder and
-    its config.json: a user error (exit 2) leaves nothing on disk."""
-    run_dir = plan.run_dir
+def setup(recipe: Recipe, plan: ResumePlan, lock: RunLock | None) -> Started:
+    """Check the plan's config and the data, take the run folder's lock, then write the
+    folder and its config.json: a user error (exit 2) leaves nothing on disk."""
+    run_dir, config = plan.run_dir, plan.config
     check_tracker(config, run_dir)
     refuse_other_format(config.strategy, run_dir, plan.source)
     check_resume_file(plan.source, plan.run_id)
@@ -111,7 +109,7 @@ def setup(recipe: Recipe, config: RunConfig, plan: ResumePlan, lock: RunLock | N
         raise ConfigError(f"{n_val} validation samples cannot be shared by "
                           f"{launch.world_size} processes")
     fingerprint = recipe.fingerprint(data)
-    for line in plan.overrides + data_change(plan.saved, fingerprint, config.allow_data_change):
+    for line in data_change(plan.saved, fingerprint, config.allow_data_change):
         say(line)
     if plan.init_ignored:
         say(plan.init_ignored)

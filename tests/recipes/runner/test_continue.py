@@ -108,7 +108,7 @@ def fake_run(cwd: Path, name: str, config, status: str | None = None) -> Path:
     return folder
 
 
-def test_the_newest_run_with_the_same_keys_is_continued(tmp_path, monkeypatch, capsys):
+def test_the_newest_run_with_the_same_keys_is_continued(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     recipe, config, given = charlm_config()
     _, other, _ = charlm_config("--lr", "0.01")
@@ -118,21 +118,21 @@ def test_the_newest_run_with_the_same_keys_is_continued(tmp_path, monkeypatch, c
     (tmp_path / "runs" / "charlm" / "20260104-000000").mkdir()  # no config.json: unknown
     fake_run(tmp_path, "named", config)  # not a timestamp: only --run-name continues it
 
-    assert plan_resume("charlm", recipe.best, config, given).action == CONTINUE
-    assert config.run_dir == "runs/charlm/20260102-000000"
-    assert capsys.readouterr().out.startswith("continuing runs/charlm/20260102-000000 ")
+    plan = plan_resume("charlm", recipe.best, config, given)
+    assert plan.action == CONTINUE and plan.config.run_dir == "runs/charlm/20260102-000000"
+    assert plan.notes[0].startswith("continuing runs/charlm/20260102-000000 ")
 
 
 @pytest.mark.parametrize("extra", [("--resume", "never"), ("--lr", "0.01")])
-def test_resume_never_or_other_keys_make_a_new_folder(extra, tmp_path, monkeypatch, capsys):
+def test_resume_never_or_other_keys_make_a_new_folder(extra, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     recipe, config, given = charlm_config(*extra)
     fake_run(tmp_path, "20260101-000000", charlm_config()[1], "interrupted by SIGTERM")
 
-    assert plan_resume("charlm", recipe.best, config, given).action == FRESH
-    assert STAMPED.fullmatch(Path(config.run_dir).name) and config.run_dir != (
+    plan = plan_resume("charlm", recipe.best, config, given)
+    assert plan.action == FRESH and plan.notes == ()
+    assert STAMPED.fullmatch(plan.run_dir.name) and plan.config.run_dir != (
         "runs/charlm/20260101-000000")
-    assert capsys.readouterr().out == ""
     assert run_folders(tmp_path) == ["20260101-000000"]  # choosing creates nothing
 
 
@@ -142,8 +142,8 @@ def test_a_new_folder_never_reuses_a_timestamp_taken_in_the_same_second(tmp_path
     recipe, config, given = charlm_config("--resume", "never")
     fake_run(tmp_path, "20260101-000000", config)
     fake_run(tmp_path, "20260101-000000-2", config)
-    plan_resume("charlm", recipe.best, config, given)
-    assert config.run_dir == "runs/charlm/20260101-000000-3"
+    assert plan_resume("charlm", recipe.best, config, given).config.run_dir == (
+        "runs/charlm/20260101-000000-3")
 
 
 def test_keys_from_a_runs_config_json_never_find_that_run_itself(tmp_path, monkeypatch):
@@ -157,7 +157,7 @@ def test_keys_from_a_runs_config_json_never_find_that_run_itself(tmp_path, monke
     fake_run(tmp_path, "20260102-000000", config, "completed")  # the config.json given
 
     plan = plan_resume("charlm", recipe.best, config, given, keys_from="20260102-000000")
-    assert plan.action == CONTINUE and config.run_dir == "runs/charlm/20260101-000000"
+    assert plan.action == CONTINUE and plan.config.run_dir == "runs/charlm/20260101-000000"
     _, config, _ = charlm_config()
     assert plan_resume("charlm", recipe.best, config, given,
                        keys_from="20260101-000000").action == "complete"
@@ -169,7 +169,7 @@ def test_a_named_run_is_left_to_the_run_layer(tmp_path, monkeypatch):
     fake_run(tmp_path, "20260101-000000", charlm_config()[1], "completed")
     plan = plan_resume("charlm", recipe.best, config, given)
     assert plan.action == FRESH and plan.run_dir == Path("runs/charlm/mine")
-    assert config.run_dir == ""
+    assert plan.config.run_dir == "runs/charlm/mine" and config.run_dir == ""
 
 
 def test_a_run_in_use_by_another_process_is_refused_by_its_lock(tmp_path, monkeypatch,

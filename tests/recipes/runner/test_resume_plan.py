@@ -29,8 +29,12 @@ def start(*args: str):
 
 
 def plan(*args: str):
+    """The plan of a start and its settled config; the parsed config is never written."""
     config, given = start(*args)
-    return plan_resume("charlm", RECIPE.best, config, given), config
+    before = dataclasses.asdict(config)
+    got = plan_resume("charlm", RECIPE.best, config, given)
+    assert dataclasses.asdict(config) == before
+    return got, got.config
 
 
 def saved_run(name: str, run_id: str = "run-a", status: str | None = None, **keys) -> Path:
@@ -67,7 +71,7 @@ def test_a_named_folder_without_a_run_starts_afresh_with_a_new_run_id(tmp_path):
     first, _ = plan("--run-name", "a")
     second, _ = plan("--run-name", "a")
     assert first.action == FRESH and first.run_dir == Path("runs/charlm/a")
-    assert first.source == "auto" and first.saved is None and first.overrides == []
+    assert first.source == "auto" and first.saved is None and first.notes == ()
     assert first.run_id and first.run_id != second.run_id
     assert "holds no run" in first.reason
 
@@ -76,7 +80,7 @@ def test_a_named_folder_with_a_run_continues_it_with_the_given_keys_as_overrides
     saved_run("a", epochs=1, lr=0.5)
     got, config = plan("--run-name", "a", "--lr", "0.01")
     assert (got.action, got.run_id, got.source) == (CONTINUE, "run-a", "auto")
-    assert got.overrides == ["override: lr 0.5 -> 0.01"]
+    assert got.notes == ("override: lr 0.5 -> 0.01",)
     assert config.epochs == 1  # a key not given again is the run's
     assert "holds run run-a" in got.reason and "newest checkpoint" in got.reason
 
@@ -146,6 +150,23 @@ def test_never_and_auto_agree_on_a_first_save_killed_before_its_sidecar(tmp_path
         plan("--run-name", "a", "--resume", "never")
 
 
+def test_a_named_folder_whose_summary_says_completed_is_reported_before_anything_is_built(
+        tmp_path):
+    committed_checkpoint(saved_run("a", status="completed"))
+    got, config = plan("--run-name", "a")
+    assert (got.action, got.run_dir) == (COMPLETE, Path("runs/charlm/a"))
+    assert got.report == ("the run is already complete: runs/charlm/a (best validation loss "
+                          "1.5; runs/charlm/a/summary.json)\nto train it again from the start, "
+                          "give another --run-name")
+
+
+def test_a_named_folder_killed_before_its_summary_is_continued(tmp_path):
+    """Its last checkpoint may be the final one: the run then trains nothing and writes its
+    end again (the reliability suite's rerun of a finished run)."""
+    committed_checkpoint(saved_run("a", status="interrupted by SIGTERM"))
+    assert plan("--run-name", "a")[0].action == CONTINUE
+
+
 def test_an_empty_run_name_is_refused():
     with pytest.raises(ConfigError, match="^--run-name: must not be empty"):
         plan("--run-name", "")
@@ -174,13 +195,15 @@ def test_the_newest_run_of_the_same_keys_is_continued(tmp_path, capsys):
     assert (got.action, got.run_id) == (CONTINUE, "run-a")
     assert config.run_dir == "runs/charlm/20260101-000000"
     assert "the newest run of these keys" in got.reason
-    assert capsys.readouterr().out.startswith("continuing runs/charlm/20260101-000000 ")
+    assert got.notes[0].startswith("continuing runs/charlm/20260101-000000 ")
+    assert capsys.readouterr().out == ""  # the plan tells; its caller says
 
 
 def test_a_completed_run_is_reported_and_nothing_is_planned(tmp_path):
     saved_run("20260101-000000", status="completed")
-    got, config = plan()
-    assert got.action == COMPLETE and config.run_dir == ""
+    got, _ = plan()
+    assert got.action == COMPLETE and got.notes == ()
+    assert got.run_dir == Path("runs/charlm/20260101-000000")
     assert got.report.startswith("the run is already complete: runs/charlm/20260101-000000 "
                                  "(best validation loss 1.5;")
     assert "completed" in got.reason
@@ -191,7 +214,7 @@ def test_a_completed_run_is_reported_and_nothing_is_planned(tmp_path):
 
 @pytest.mark.parametrize("resume", ["never", "step-00000004.pt"])
 def test_a_restarted_torchrun_group_resumes_auto_whatever_resume_asked(resume, monkeypatch,
-                                                                       capsys, tmp_path):
+                                                                       tmp_path):
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                         "TORCHELASTIC_RESTART_COUNT": "2"}.items():
         monkeypatch.setenv(name, value)
@@ -199,16 +222,16 @@ def test_a_restarted_torchrun_group_resumes_auto_whatever_resume_asked(resume, m
     Path("step-00000004.pt").touch()
     got, config = plan("--run-name", "a", "--resume", resume)
     assert (got.action, got.source, config.resume) == (CONTINUE, "auto", "auto")
-    assert capsys.readouterr().out == (f"torchrun restart 2: --resume {resume} becomes auto "
-                                       "(the newest good checkpoint of the run)\n")
+    assert got.notes == (f"torchrun restart 2: --resume {resume} becomes auto (the newest "
+                         "good checkpoint of the run)",)
 
 
-def test_the_first_start_of_a_torchrun_group_keeps_its_resume(monkeypatch, capsys):
+def test_the_first_start_of_a_torchrun_group_keeps_its_resume(monkeypatch):
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                         "TORCHELASTIC_RESTART_COUNT": "0"}.items():
         monkeypatch.setenv(name, value)
     got, config = plan("--run-name", "a", "--resume", "never")
-    assert got.source == config.resume == "never" and capsys.readouterr().out == ""
+    assert got.source == config.resume == "never" and got.notes == ()
 
 
 # --- --init-from --------------------------------------------------------------------------
