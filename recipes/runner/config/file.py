@@ -4,9 +4,10 @@ and the resolved config written back as TOML.
 A config file holds the command line's keys at its top level, spelled ``batch_size`` or
 ``batch-size`` (config.json's spelling and the flag's), with typed values: ``true``/``false``
 for a switch, a number for a number, a string for a text key, and the string ``"none"`` for
-no value (TOML has no null; JSON's ``null`` works too). Precedence: defaults < the file <
-the command line. Every key in the file counts as given, as if typed: on a resume it
-overrides the saved run's value (or is refused, for a key fixed on resume).
+no value (TOML has no null; JSON's ``null`` works too). Precedence (docs/reference.md
+#precedence): defaults < the file < the command line. Every key in the file counts as given,
+as if typed: on a resume it overrides the saved run's value (or is refused, for a key fixed
+on resume).
 
 A run folder's ``config.json`` is a config file too: its ``config`` table holds the keys,
 and what only describes that run (its id, folder, data fingerprint, environment record)
