@@ -18,7 +18,7 @@ from engine.batch import (
 )
 from engine.compiled_step import CompiledUpdate, compile_mode, graph_breaks, report_graph_breaks
 from engine.events import EVENT_TO_ATTR, TrainEvents
-from engine.ignite_loop import FastLoopEngine
+from engine.ignite_loop import trainer_loop
 from engine.nonfinite import NonFiniteGuard
 from engine.precision import Precision, resolve_precision
 from engine.step import make_train_step
@@ -28,7 +28,7 @@ from engine.update_gate import StepVeto, make_gate
 TRAINER_STATE_KEYS = ("optimizer_step", "skipped_steps", "consecutive_skips")
 
 
-class Trainer(FastLoopEngine):
+class Trainer(trainer_loop()):
     """An Ignite ``Engine`` that also holds what its step trains with.
 
     Handlers (checkpointing, telemetry) read ``model``, ``optimizer``,
@@ -43,7 +43,8 @@ class Trainer(FastLoopEngine):
     the run there calls ``settle()`` first.
 
     Its epoch loop and event firing are ``FastLoopEngine``'s (``engine/ignite_loop.py``):
-    Ignite's events and semantics at about a sixth of Ignite's per-iteration cost.
+    Ignite's events and semantics at about a sixth of Ignite's per-iteration cost; Ignite's
+    own loop on an Ignite version that loop was not checked against.
     """
 
     def __init__(
