@@ -259,7 +259,7 @@ class Checkpointer:
         candidates = self._candidates_newest_first()
         self._refuse_other_format(candidates)
         if not candidates:
-            logger.info("no checkpoint in %s: starting fresh", self.dirname)
+            logger.debug("no checkpoint in %s: starting fresh", self.dirname)
             return None
         if not committed_checkpoints(self.dirname):
             # A run killed inside its first save: the .pt was never committed (its sidecar is
@@ -398,7 +398,7 @@ class Checkpointer:
         if unused:
             logger.warning("%s also holds %s, which this run does not restore", path, unused)
         meta = payload["meta"]
-        logger.info("resumed from %s (epoch %d, iteration %d, optimizer step %d)", path,
+        logger.info("resumed from %s (epoch %d, iteration %d, step %d)", path,
                     meta["epoch"], meta["iteration"], meta["optimizer_step"])
         return ResumeInfo(path, meta, rejected)
 

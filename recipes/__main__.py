@@ -31,6 +31,7 @@ from recipes.runner import (
     parse_start,
     recipe_keys,
 )
+from recipes.runner.console import speak_for_libraries
 
 
 def _usage() -> str:
@@ -58,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     name, rest = args[0], args[1:]
     # Ignite logs every exception that leaves a run; the ones we handle get their own line.
     logging.getLogger("ignite.engine.engine").setLevel(logging.CRITICAL)
+    rank = os.environ.get("RANK", "0")  # a torchrun worker's; the spawned ones set their own
+    speak_for_libraries(int(rank) if rank.isdigit() else 0)
     # The command line is checked before torch loads (seconds): a mistake is answered at once.
     try:
         if rest and not rest[0].startswith("-"):  # a command: evaluate, predict, generate

@@ -2,9 +2,19 @@
 ``warning:``/``note:``/``error:`` line) on stderr. The one module of the run layer that calls
 ``print`` (tests/recipes/runner/test_console.py checks it), so that where a line goes and when
 it is flushed is decided here. Imports no torch: the config prints through it before torch
-loads."""
+loads.
 
+The libraries below the run layer (``engine``, ``handlers``, the recipes' data) never print:
+they log, as Ignite's handlers do, and ``ConsoleVoice`` speaks their records in this voice
+(``speak_for_libraries``): INFO as a plain line on stdout, WARNING as ``warning: ...`` and
+ERROR as ``error: ...`` on stderr, each above an open progress bar. Every process installs
+it; a process other than rank 0 speaks only its errors, since all ranks log the same events.
+"""
+
+import logging
 import sys
+
+LIBRARIES = ("engine", "handlers", "recipes")  # the loggers whose records the voice speaks
 
 
 def say(*lines: str, flush: bool = False) -> None:
@@ -16,3 +26,35 @@ def say(*lines: str, flush: bool = False) -> None:
 def warn(line: str, flush: bool = False) -> None:
     """Print ``line`` on stderr: an error, a warning or a note beside the run's output."""
     print(line, file=sys.stderr, flush=flush)
+
+
+class ConsoleVoice(logging.Handler):
+    """A library's log record as the console says it (see the module)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # a malformed record: say what logging would
+            self.handleError(record)
+            return
+        if record.levelno >= logging.ERROR:
+            line, stream = f"error: {message}", sys.stderr
+        elif record.levelno >= logging.WARNING:
+            line, stream = f"warning: {message}", sys.stderr
+        else:
+            line, stream = message, sys.stdout
+        from tqdm import tqdm  # writes above open bars and draws them again below
+
+        tqdm.write(line, file=stream)
+        stream.flush()
+
+
+def speak_for_libraries(rank: int = 0) -> None:
+    """Install the voice on the libraries' loggers (once a process: again only sets the
+    level): INFO and up on rank 0, errors alone on the other ranks."""
+    level = logging.INFO if rank == 0 else logging.ERROR
+    for name in LIBRARIES:
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        if not any(isinstance(handler, ConsoleVoice) for handler in logger.handlers):
+            logger.addHandler(ConsoleVoice())

@@ -51,11 +51,13 @@ DAMAGE = {
 
 
 def _skipped(stderr: str) -> dict[str, str]:
-    """``skipped checkpoint <path>: <reason>`` lines of the recipe, by file name."""
-    prefix = "skipped checkpoint "
-    lines = [line[len(prefix):] for line in stderr.splitlines() if line.startswith(prefix)]
+    """``warning: checkpoint <path> rejected: <reason>; trying an older one`` lines of the
+    recipe (the checkpointer's, in the console's voice), by file name."""
+    prefix, suffix = "warning: checkpoint ", "; trying an older one"
+    lines = [line[len(prefix):].removesuffix(suffix) for line in stderr.splitlines()
+             if line.startswith(prefix) and line.endswith(suffix)]
     return {os.path.basename(path): reason for path, _, reason in
-            (line.partition(": ") for line in lines)}
+            (line.partition(" rejected: ") for line in lines)}
 
 
 @pytest.mark.parametrize("damage", DAMAGE)

@@ -15,7 +15,7 @@ from recipes.runner.config.command_line import ConfigError, ExitCode
 from recipes.runner.config.errors import USER_ERRORS
 from recipes.runner.config.registry import load_recipe, recipe_ref
 from recipes.runner.config.run_keys import RunConfig
-from recipes.runner.console import say, warn
+from recipes.runner.console import say, speak_for_libraries, warn
 from recipes.runner.training.launch import process_device, rank_zero_exit_code, share_machine
 from recipes.runner.training.lock import RunLock
 from recipes.runner.training.resume_plan import COMPLETE, plan_resume
@@ -75,6 +75,7 @@ def train_process(local_rank: int, ref: str, config: dict[str, Any], run_dir: Pa
                   run_id: str, fingerprint: dict[str, Any], init_from: str = "") -> int:
     """One process of a group: it loads the data itself (loading is deterministic, so all
     hold the same data) and trains on its rank's slice of each batch."""
+    speak_for_libraries(idist.get_rank())
     recipe = load_recipe(ref)
     resolved = recipe.config(**config)
     share_machine(process_device(resolved.device))

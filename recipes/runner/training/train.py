@@ -1,7 +1,6 @@
 """The run itself, in each process: build it, load the checkpoint its plan names, train to
 the end (or to a stop), and on rank 0 write the summary; returns an ``ExitCode``."""
 
-import math
 
 import ignite.distributed as idist
 
@@ -39,12 +38,7 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     if world > 1:  # rank 0 picked the file (and cleared stale temp files); all load that one
         chosen = idist.broadcast(str(info.path) if info is not None else "never", src=0)
         info = handlers.checkpointer.resume(chosen) if rank > 0 else info
-    if info is not None and rank == 0:
-        for name, reason in info.rejected:
-            warn(f"skipped checkpoint {name}: {reason}")
-        epoch = math.ceil(trainer.state.iteration / len(parts.train_batches))  # in progress
-        say(f"resumed from {info.path} (epoch {epoch}, "
-            f"iteration {trainer.state.iteration}, step {trainer.state.optimizer_step})")
+    # The checkpointer has said which checkpoint it loaded and which it passed over.
     epoch_length = len(parts.train_batches)
     early_stopping = handlers.early_stopping
     # A run killed after its final save, or started again once done, has nothing left to

@@ -1,11 +1,12 @@
 """The console module: the run layer prints through it and nowhere else."""
 
 import ast
+import logging
 import sys
 from pathlib import Path
 
 import recipes.runner
-from recipes.runner.console import say, warn
+from recipes.runner.console import say, speak_for_libraries, warn
 
 RUN_LAYER = Path(recipes.runner.__file__).parent
 CONSOLE = RUN_LAYER / "console.py"
@@ -45,3 +46,24 @@ def test_warn_writes_to_the_stderr_of_the_moment(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stderr", Sink())
     warn("error: x", flush=True)
     assert Sink.text == "error: x\n"
+
+
+def test_a_librarys_records_are_spoken_once_in_the_consoles_voice(capsys):
+    speak_for_libraries(rank=0)
+    speak_for_libraries(rank=0)  # installed once: every record is said once
+    logging.getLogger("handlers.checkpoint").info("resumed from last.pt")
+    logging.getLogger("engine.run_state").warning("rng state missing")
+    logging.getLogger("recipes.cifar.data").error("cache unreadable")
+    logging.getLogger("handlers.checkpoint").debug("no checkpoint: starting fresh")
+    assert capsys.readouterr() == ("resumed from last.pt\n",
+                                   "warning: rng state missing\nerror: cache unreadable\n")
+
+
+def test_a_process_other_than_rank_zero_speaks_only_its_errors(capsys):
+    try:
+        speak_for_libraries(rank=1)
+        logging.getLogger("handlers.checkpoint").warning("said by rank 0 already")
+        logging.getLogger("handlers.checkpoint").error("this rank's own failure")
+        assert capsys.readouterr() == ("", "error: this rank's own failure\n")
+    finally:
+        speak_for_libraries(rank=0)
