@@ -7,6 +7,7 @@ user typed when that finds the same interpreter on PATH (an activated environmen
 absolute path. No torch here: ``--print-config`` uses it before torch loads.
 """
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -29,5 +30,9 @@ def interpreter() -> str:
 
 
 def recipes_command(recipe: str) -> str:
-    """``<interpreter> -m recipes <recipe>``: the start of a printed command."""
-    return f"{interpreter()} -m recipes {recipe}"
+    """``<interpreter> -m recipes <recipe>``: the start of a printed command. ``recipe`` is a
+    name, or the path of a recipe file (shown from the working directory when inside it)."""
+    if recipe.endswith(".py"):
+        with contextlib.suppress(ValueError):  # outside the working directory: as given
+            recipe = str(Path(recipe).resolve().relative_to(Path.cwd()))
+    return f"{interpreter()} -m recipes {shlex.quote(recipe)}"

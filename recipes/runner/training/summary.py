@@ -6,6 +6,7 @@ from typing import Any
 from engine import Trainer
 from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ExitCode
+from recipes.runner.config.registry import recipe_ref
 from recipes.runner.console import warn
 from recipes.runner.training.curves import plot_curves
 from recipes.runner.training.folder import write_json_atomic
@@ -26,7 +27,7 @@ def write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
     if handlers.spike_guard is not None:
         summary |= handlers.spike_guard.summary()
     summary |= handlers.cost.summary(summary["samples_per_sec"])
-    print_closing(recipe.name, summary, started.run_dir, handlers)
+    print_closing(recipe_ref(recipe), summary, started.run_dir, handlers)  # a file: its path
     summary["environment"] = environment
     try:  # the disk that failed a checkpoint may fail these too: the checkpoints matter
         write_json_atomic(started.run_dir / "summary.json", summary)

@@ -1,5 +1,7 @@
 """The run's header and closing lines (``recipes.runner.training.report``)."""
 
+import shlex
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch.distributed as dist
@@ -9,8 +11,11 @@ from torch.distributed.fsdp import fully_shard
 from handlers.goal import Goal
 from handlers.grad_telemetry import GradientTelemetry
 from handlers.history import RunHistory
+from recipes.__main__ import main
 from recipes.charlm.recipe import Config
 from recipes.runner.training.report import closing, header
+
+GUIDE = Path(__file__).parents[3] / "docs" / "writing-a-recipe.md"
 
 
 class TinyNet(nn.Module):
@@ -78,3 +83,21 @@ def test_a_run_ended_by_early_stopping_says_so_in_its_first_closing_line(tmp_pat
     assert lines[0] == ("completed: epoch 2/50, 6 steps in 5s (stopped early: no better "
                         "validation for --patience evaluations)")
     assert not any(line.startswith("  longer") for line in lines)
+
+
+def test_a_recipe_run_by_its_file_path_prints_next_commands_that_run(tmp_path, monkeypatch,
+                                                                      capsys):
+    """The closing lines name the recipe as it was given, its file's path: the ``evaluate``
+    and ``longer`` commands they print work as printed."""
+    monkeypatch.chdir(tmp_path)
+    example = GUIDE.read_text().split("<!-- recipe-example -->\n```python\n")[1].split("```")[0]
+    Path("spirals.py").write_text(example)
+    assert main(["spirals.py", "--epochs", "1", "--run-name", "s", "--progress", "off",
+                 "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    commands = {line.split()[0]: shlex.split(line)[1:] for line in lines
+                if line.startswith(("  evaluate ", "  longer "))}
+    assert commands["evaluate"][1:4] == ["-m", "recipes", "spirals.py"], commands
+    assert main(commands["evaluate"][3:]) == 0
+    assert main(commands["longer"][3:commands["longer"].index("(continues")]) == 0
+    assert "completed: epoch 2/2" in capsys.readouterr().out
