@@ -202,7 +202,11 @@ class Progress:
         metrics = evaluator.state.metrics
         shown = " ".join(f"{name} {_number(metrics[name])}"
                          for name in self.evaluations.history.modes if name in metrics)
-        line = f"eval epoch {state.epoch}/{state.max_epochs} {shown}"
+        # An evaluation inside an epoch (--eval-every-steps) names its step: the epoch's
+        # own comes at its end.
+        inside = bool(state.epoch_length) and state.iteration % state.epoch_length != 0
+        step = f" step {getattr(state, 'optimizer_step', state.iteration)}" if inside else ""
+        line = f"eval epoch {state.epoch}/{state.max_epochs}{step} {shown}"
         evaluations = self.evaluations
         best = best_so_far(evaluations.history, evaluations.best, evaluations.steps_per_epoch)
         if best is not None:

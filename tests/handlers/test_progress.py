@@ -7,7 +7,7 @@ from ignite.engine import Engine, Events
 from torch import nn
 
 import handlers.progress as progress_module
-from engine import create_trainer
+from engine import TrainEvents, create_trainer
 from handlers.cost import CostMeter
 from handlers.goal import Goal
 from handlers.grad_telemetry import GradientTelemetry
@@ -106,11 +106,12 @@ class ScriptedClock:
         return self.now
 
 
-def scripted_run(mode="plain", stream=None, resume_from_epoch=0, cost=None):
+def scripted_run(mode="plain", stream=None, resume_from_epoch=0, cost=None, inside_at=0):
     """``EPOCHS`` epochs of ``BATCHES`` iterations, an evaluation after each (the final one
     declared 3 forwards per sample, the others 1) whose metrics are ``LOSSES`` and
     ``ACCURACIES``, on ``ScriptedClock``'s time; optionally resumed after an epoch; with
-    ``cost``, a ``CostMeter``."""
+    ``cost``, a ``CostMeter``; with ``inside_at``, one more evaluation after that optimizer
+    step (as ``--eval-every-steps`` adds)."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -138,6 +139,9 @@ def scripted_run(mode="plain", stream=None, resume_from_epoch=0, cost=None):
         handler.attach(trainer, evaluator)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run(
         range(EVAL_BATCHES)))
+    if inside_at:
+        trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP(once=inside_at),
+                                  lambda _: evaluator.run(range(EVAL_BATCHES)))
     batches = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(BATCHES)]
     if resume_from_epoch:
         trainer.state.iteration = trainer.state.epoch = resume_from_epoch  # as a checkpoint
@@ -162,6 +166,13 @@ def test_a_line_per_evaluation_with_the_metrics_the_best_and_the_time_left(capsy
         ("2", "0.6", "1.5", "0.6", "2", "10s", "7s"),
         ("3", "0.55", "7", "0.6", "2", "15s", "0s"),
     ]
+
+
+def test_an_evaluation_inside_an_epoch_names_its_step(capsys):
+    scripted_run(inside_at=2)
+    evals = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
+    assert evals[0].startswith("eval epoch 1/3 step 2 accuracy 0.5 loss 2 | "), evals
+    assert evals[1].startswith("eval epoch 1/3 accuracy 0.5 loss 2 | "), evals
 
 
 def test_with_a_cost_meter_each_evaluation_line_shows_the_epochs_cost(capsys):
