@@ -17,8 +17,10 @@ from engine.sharding import local_shards, shard_group, whole_norms
 from handlers.arguments import check_int
 
 # A median pre-clip norm above this multiple of max_grad_norm means clipping does the job of a
-# smaller learning rate.
+# smaller learning rate; said only after this many steps: the first steps' norms are an
+# untrained model's, large whatever the learning rate (a 3-step try is no evidence).
 FAR_ABOVE_CLIP = 5.0
+STEPS_BEFORE_HINT = 20
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ class GradientTelemetry:
             f"{skipped} skipped, median norm {median:.3g}, max {max(self._norm_history):.3g}"
         )
         max_grad_norm = self._trainer.max_grad_norm
-        if max_grad_norm is not None and median > FAR_ABOVE_CLIP * max_grad_norm:
+        if (max_grad_norm is not None and steps >= STEPS_BEFORE_HINT
+                and median > FAR_ABOVE_CLIP * max_grad_norm):
             line += (
                 f"; norms sit far above max_grad_norm={max_grad_norm:g}: "
                 "the learning rate is the likelier cause"

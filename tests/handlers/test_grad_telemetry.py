@@ -296,9 +296,14 @@ def health_line(norms, max_grad_norm):
 
 def test_hint_only_when_the_median_norm_sits_far_above_max_grad_norm():
     hint = "norms sit far above max_grad_norm=1: the learning rate is the likelier cause"
-    assert hint in health_line([6.0, 7.0, 8.0], max_grad_norm=1.0)
-    assert "far above" not in health_line([0.5, 2.0, 30.0], max_grad_norm=1.0)  # median 2
-    assert "far above" not in health_line([6.0, 7.0, 8.0], max_grad_norm=None)
+    assert hint in health_line([6.0, 7.0, 8.0] * 7, max_grad_norm=1.0)
+    assert "far above" not in health_line([0.5, 2.0, 30.0] * 7, max_grad_norm=1.0)  # median 2
+    assert "far above" not in health_line([6.0, 7.0, 8.0] * 7, max_grad_norm=None)
+
+
+def test_no_hint_from_a_few_steps_of_an_untrained_model():
+    line = health_line([6.0, 7.0, 8.0], max_grad_norm=1.0)
+    assert line.startswith("grad health: 100.0% of 3 steps clipped") and "far above" not in line
 
 
 @pytest.mark.parametrize(
