@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from recipes.common.paths import data_dir_candidates
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 EXAMPLE = re.compile(r"<!-- python-example -->\n```python\n(.*?)```\n<!-- /python-example -->",
                      re.DOTALL)
@@ -29,3 +31,11 @@ def test_the_readme_example_prints_what_the_readme_shows(tmp_path):
 def test_the_example_comes_within_the_readmes_first_80_lines():
     lines = README.read_text().splitlines()
     assert lines.index("<!-- /python-example -->") < 80
+
+
+def test_the_quick_start_says_where_the_cifar_recipe_looks_for_its_data():
+    quick_start = README.read_text().split("## Composing")[0]
+    shared, local = data_dir_candidates("cifar10")
+    for place in (shared.relative_to(README.parent, walk_up=True), local):
+        assert f"`{place}/`" in quick_start, place
+    assert "--data-dir PATH" in quick_start and "--dataset synthetic" in quick_start
