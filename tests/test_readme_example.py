@@ -1,5 +1,6 @@
 """The README's Python example prints exactly the output the README shows."""
 
+import os
 import re
 import subprocess
 import sys
@@ -36,6 +37,6 @@ def test_the_example_comes_within_the_readmes_first_80_lines():
 def test_the_quick_start_says_where_the_cifar_recipe_looks_for_its_data():
     quick_start = README.read_text().split("## Composing")[0]
     shared, local = data_dir_candidates("cifar10")
-    for place in (shared.relative_to(README.parent, walk_up=True), local):
+    for place in (os.path.relpath(shared, README.parent), local):
         assert f"`{place}/`" in quick_start, place
     assert "--data-dir PATH" in quick_start and "--dataset synthetic" in quick_start
