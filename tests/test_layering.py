@@ -1,5 +1,6 @@
 """The layering, read from the source with ``ast``: the engine imports neither handlers nor
-recipes, the handlers import no recipe, the run layer (``recipes.runner``) imports no recipe,
+recipes, the handlers import no recipe, the run layer (``recipes.runner``) imports no recipe and its
+config neither its training nor its commands,
 a recipe imports no other, and no two of the project's modules import each other, however
 indirectly. Every import counts, those inside a function or under ``if TYPE_CHECKING:``
 included: a deferred import still ties the two modules together."""
@@ -53,6 +54,8 @@ def within(name: str, package: str) -> bool:
     ("engine", ("handlers", "recipes")),
     ("handlers", ("recipes",)),
     ("recipes.runner", RECIPES),
+    # The command line's config is read before anything runs: it imports no run or command.
+    ("recipes.runner.config", ("recipes.runner.training", "recipes.runner.commands")),
     *((recipe, tuple(other for other in RECIPES if other != recipe)) for recipe in RECIPES),
 ])
 def test_a_layer_imports_nothing_above_it(layer, forbidden):

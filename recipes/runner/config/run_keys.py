@@ -23,7 +23,14 @@ from functools import partial
 from pathlib import Path
 
 from recipes.runner.config.command_line import field
-from recipes.runner.training.trackers import TRACKER_NAMES
+
+# --tracker NAME -> the module of recipes.runner.training.trackers that implements it: the
+# table lives here, with the key that names it, so that the config never imports upwards.
+TRACKERS = {
+    "mlflow": "recipes.runner.training.trackers.mlflow",
+    "wandb": "recipes.runner.training.trackers.wandb",
+}
+TRACKER_NAMES = ("none", *TRACKERS)
 
 # This module imports no torch: ``python -m recipes`` parses and checks the command line
 # before torch loads (seconds), so a mistyped key is answered at once. The choices that the

@@ -1,5 +1,6 @@
 """Experiment trackers: ``--tracker NAME`` picks the module of this package that ``TRACKERS``
-names; another tracker is one module more and one line in the table.
+(``recipes.runner.config.run_keys``, beside the key) names; another tracker is one module
+more and one line in the table.
 
 A tracker module has two functions:
 
@@ -25,11 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-TRACKERS = {  # --tracker NAME -> its module
-    "mlflow": "recipes.runner.training.trackers.mlflow",
-    "wandb": "recipes.runner.training.trackers.wandb",
-}
-TRACKER_NAMES = ("none", *TRACKERS)
+from recipes.runner.config.run_keys import TRACKERS
 
 
 @dataclass(frozen=True)
