@@ -12,9 +12,9 @@ from ignite.engine import Engine
 
 from engine import Trainer, create_evaluator, create_trainer, resolve_precision
 from handlers import optimizer_steps_per_epoch
+from handlers.cost import CostMeter, device_peak_flops
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
 from recipes.runner.config.run_keys import RunConfig
-from recipes.runner.training.cost import cost_meter
 from recipes.runner.training.init_from import load_init_weights
 from recipes.runner.training.launch import process_device
 from recipes.runner.training.profiling import attach_profiler
@@ -89,3 +89,13 @@ def build_run(recipe: Recipe, config: RunConfig, started: Started,
     if ctx.rank == 0:  # one trace: the other ranks run the same steps
         attach_profiler(config, trainer, started.run_dir, ctx.device)
     return trainer, evaluator, parts, handlers
+
+
+def cost_meter(config: RunConfig, ctx: Context, parts: Parts) -> CostMeter:
+    """A ``CostMeter`` with the recipe's FLOPs and tokens per sample and the peak of this
+    process's device in the step's number format."""
+    number_format = resolve_precision(config.precision, ctx.device).name
+    return CostMeter(config.batch_size, ctx.world_size, ctx.device,
+                     flops_per_sample=parts.model_flops,
+                     tokens_per_sample=parts.tokens_per_sample,
+                     peak_flops=device_peak_flops(ctx.device, number_format))

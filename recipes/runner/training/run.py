@@ -20,13 +20,17 @@ from recipes.runner.config.registry import recipe_ref
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say, warn
 from recipes.runner.training.continue_run import continue_command
-from recipes.runner.training.cost import check_recipe_keys
 from recipes.runner.training.elastic import warn_if_store_shared
 from recipes.runner.training.group import join_group, train_process
 from recipes.runner.training.launch import exit_process, launched_by_torchrun, spawn
 from recipes.runner.training.modes import overfit_run
 from recipes.runner.training.resume_plan import COMPLETE, plan_resume
-from recipes.runner.training.start_checks import FolderWriteError, launch_of, locked_setup
+from recipes.runner.training.start_checks import (
+    FolderWriteError,
+    check_recipe_keys,
+    launch_of,
+    locked_setup,
+)
 from recipes.runner.training.train import train
 
 

@@ -56,6 +56,14 @@ class Started:
     init_from: str = ""
 
 
+def check_recipe_keys(recipe: Recipe, config: RunConfig) -> None:
+    """Refuse ``--activation-checkpointing`` for a recipe whose build does not honour it."""
+    if config.activation_checkpointing and not recipe.activation_checkpointing:
+        raise ConfigError(f"--activation-checkpointing: the {recipe.name} recipe's model has "
+                          "no blocks to recompute in the backward; it applies to charlm's "
+                          "transformer blocks")
+
+
 def launch_of(config: RunConfig):
     """The processes and backend that ``config`` asks for."""
     return plan_launch(config.nproc, config.backend, config.device, config.batch_size)
