@@ -30,8 +30,8 @@ from recipes.runner import (
     load_recipe,
     parse_start,
     recipe_keys,
+    speak_for_libraries,
 )
-from recipes.runner.console import speak_for_libraries
 
 
 def _usage() -> str:

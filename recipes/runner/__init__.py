@@ -30,6 +30,7 @@ _MODULE_OF = {
     "find_recipes": "config.registry", "load_recipe": "config.registry",
     "recipe_keys": "config.registry",
     "DataError": "config.errors", "USER_ERRORS": "config.errors",
+    "speak_for_libraries": "console",
     # the run
     "run": "training.run", "describe_run": "training.modes", "find_lr_run": "training.modes",
     "fingerprint_arrays": "training.fingerprint", "fingerprint_files": "training.fingerprint",

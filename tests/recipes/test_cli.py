@@ -28,8 +28,8 @@ from recipes.cifar.model import build_model
 from recipes.cifar.recipe import Config
 from recipes.common.paths import SHARED_DATA
 from recipes.runner.config.command_line import shown_value
+from recipes.runner.resume.request import REQUEST_KEYS
 from recipes.runner.training import summary
-from recipes.runner.training.resume_request import REQUEST_KEYS
 
 pytestmark = pytest.mark.filterwarnings(  # torchvision 0.29 deprecates its JPEG codecs
     "ignore:The image decoding and encoding capabilities:DeprecationWarning")

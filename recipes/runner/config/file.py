@@ -48,7 +48,7 @@ from recipes.runner.console import warn
 
 # What a run folder's config.json holds besides its keys: they describe that run.
 RUN_RECORD = ("recipe", "run_id", "data", "environment", "init_from")
-# Keys that ask something of one start only, not of the run (resume_request.REQUEST_KEYS,
+# Keys that ask something of one start only, not of the run (resume.request.REQUEST_KEYS,
 # which imports torch): config.json never holds them, nor does a config file.
 REQUESTS = ("resume",)
 # Keys of a run's config.json that name its folder or ask something of one start only.

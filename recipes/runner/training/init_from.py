@@ -3,7 +3,7 @@
 Only the model's weights are taken: the optimizer, step, schedule, data position and RNG
 start as in any fresh run. The source is a checkpoint file or a run folder (its
 ``checkpoints/best.pt``, else ``last.pt``), verified as a resume verifies it (sidecar,
-sha256, ``weights_only``). It applies to a fresh run only (``resume_plan.py`` decides): once
+sha256, ``weights_only``). It applies to a fresh run only (``resume/plan.py`` decides): once
 the run folder holds a committed checkpoint, the run resumes from it and ``--init-from`` is
 ignored. The run records where its weights came from in ``config.json`` (``init_from``).
 """
@@ -26,7 +26,7 @@ from handlers.checkpoint_files import (
 )
 from recipes.runner.api import Context, Recipe
 from recipes.runner.config.command_line import ConfigError
-from recipes.runner.training.resume_plan import ResumePlan
+from recipes.runner.resume.plan import ResumePlan
 
 EXPECTED = ("expected a run folder or one of its checkpoints (a .pt with its .pt.json, or a "
             ".dcp folder with its .dcp.json)")

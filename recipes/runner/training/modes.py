@@ -13,11 +13,11 @@ from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say
+from recipes.runner.resume.plan import fresh_init_from
 from recipes.runner.training.build import build_parts, build_run
 from recipes.runner.training.folder import resolve_run_dir
 from recipes.runner.training.launch import launched_by_torchrun
 from recipes.runner.training.lock import RunLock
-from recipes.runner.training.resume_plan import fresh_init_from
 from recipes.runner.training.start_checks import Started, check_recipe_keys
 from recipes.runner.training.strategy import check_strategy
 from recipes.runner.training.wiring import wiring_table

@@ -2,7 +2,7 @@
 processes, or as one process of torchrun's group.
 
 One start, in order (a file each): the resume plan decides what this start does
-(``resume_plan.py``); the start checks refuse what cannot run before anything is written,
+(``resume/plan.py``); the start checks refuse what cannot run before anything is written,
 then lock and write the run folder (``start_checks.py``); the processes start (``launch.py``,
 ``group.py``); each builds the parts and trains (``build.py``, ``train.py``); rank 0 writes
 the summary (``summary.py``). The modes that train no run are in ``modes.py``. Exit codes:
@@ -19,12 +19,12 @@ from recipes.runner.config.command_line import ExitCode
 from recipes.runner.config.registry import recipe_ref
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say, warn
-from recipes.runner.training.continue_run import continue_command
-from recipes.runner.training.elastic import warn_if_store_shared
+from recipes.runner.resume.elastic import warn_if_store_shared
+from recipes.runner.resume.plan import COMPLETE, plan_resume
+from recipes.runner.resume.same_run import continue_command
 from recipes.runner.training.group import join_group, train_process
 from recipes.runner.training.launch import exit_process, launched_by_torchrun, spawn
 from recipes.runner.training.modes import overfit_run
-from recipes.runner.training.resume_plan import COMPLETE, plan_resume
 from recipes.runner.training.start_checks import (
     FolderWriteError,
     check_recipe_keys,

@@ -18,6 +18,8 @@ from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say
+from recipes.runner.resume.plan import ResumePlan
+from recipes.runner.resume.request import check_resume_file, stored_config
 from recipes.runner.training.checkpoint_strategy import refuse_other_format
 from recipes.runner.training.environment import environment_record
 from recipes.runner.training.fingerprint import describe_change
@@ -26,8 +28,6 @@ from recipes.runner.training.init_from import plan_init_from
 from recipes.runner.training.launch import launched_by_torchrun, plan_launch, process_device
 from recipes.runner.training.lock import RunLock
 from recipes.runner.training.profiling import check_profile_window
-from recipes.runner.training.resume_plan import ResumePlan
-from recipes.runner.training.resume_request import check_resume_file, stored_config
 from recipes.runner.training.strategy import check_strategy
 from recipes.runner.training.trackers import check_tracker
 

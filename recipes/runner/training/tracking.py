@@ -6,8 +6,8 @@ from typing import Any
 
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say
+from recipes.runner.resume.request import stored_config
 from recipes.runner.training.environment import REPO, git_revision
-from recipes.runner.training.resume_request import stored_config
 from recipes.runner.training.trackers import TrackedRun, Tracker, start_tracker
 
 ARTIFACTS = ("checkpoints/best.pt", "curves.png")  # in the run folder and the tracker's run

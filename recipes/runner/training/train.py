@@ -32,7 +32,7 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
         print_header(recipe, config, started.run_dir, started.data, parts.model)
         if config.strategy == "fsdp":
             say(strategy_line(resolve_precision(config.precision, config.device), world))
-    # config.resume is the plan's source (resume_plan.py): the checkpointer verifies it, or
+    # config.resume is the plan's source (resume/plan.py): the checkpointer verifies it, or
     # for "auto" the candidates newest first, and loads the first that verifies.
     info = handlers.checkpointer.resume(config.resume) if rank == 0 else None
     if world > 1:  # rank 0 picked the file (and cleared stale temp files); all load that one

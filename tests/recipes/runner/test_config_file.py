@@ -24,7 +24,7 @@ from recipes.runner.config.file import (
 )
 from recipes.runner.config.interpreter import interpreter
 from recipes.runner.config.registry import find_recipes, recipe_keys
-from recipes.runner.training.resume_request import REQUEST_KEYS
+from recipes.runner.resume.request import REQUEST_KEYS
 from tests.helpers import CHARLM, digests, one_error_line, write_text
 
 CIFAR = recipe_keys("cifar").config

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from recipes.__main__ import main
-from recipes.runner.training.continue_run import continue_command
+from recipes.runner.resume.plan import CONTINUE, FRESH, plan_resume
+from recipes.runner.resume.same_run import continue_command
 from recipes.runner.training.group import join_group
 from recipes.runner.training.lock import RunLock
-from recipes.runner.training.resume_plan import CONTINUE, FRESH, plan_resume
 from tests.helpers import (
     CHARLM_IN_FOLDER,
     REPO,

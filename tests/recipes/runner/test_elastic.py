@@ -4,7 +4,7 @@ tests/reliability)."""
 
 import pytest
 
-from recipes.runner.training.elastic import SHARED_STORE_HINT, warn_if_store_shared
+from recipes.runner.resume.elastic import SHARED_STORE_HINT, warn_if_store_shared
 
 
 def torchrun_start(monkeypatch, rank: int, restart: int, max_restarts: int, shared: bool

@@ -11,8 +11,8 @@ import torch
 from handlers.checkpoint_files import read_sidecar
 from recipes.__main__ import main
 from recipes.cifar.recipe import RECIPE as CIFAR
+from recipes.runner.resume.plan import fresh_init_from
 from recipes.runner.training.build import build_parts
-from recipes.runner.training.resume_plan import fresh_init_from
 from tests import helpers
 from tests.helpers import CHARLM, digests, one_error_line, write_text
 

@@ -10,8 +10,8 @@ import pytest
 
 from recipes.runner.config.command_line import ConfigError, parse_args
 from recipes.runner.config.registry import load_recipe
-from recipes.runner.training import resume_plan
-from recipes.runner.training.resume_plan import (
+from recipes.runner.resume import plan as resume_plan
+from recipes.runner.resume.plan import (
     COMPLETE,
     CONTINUE,
     FRESH,

@@ -19,7 +19,7 @@ from handlers.crash_points import CrashPoints
 from handlers.goal import Goal
 from handlers.sharded_checkpoint import ShardedFolder
 from recipes.runner.config.command_line import ConfigError
-from recipes.runner.training.resume_request import (
+from recipes.runner.resume.request import (
     check_resume_file,
     saved_in_checkpoints,
     stored_config,

@@ -6,7 +6,7 @@ already continues its run (the run folder is chosen as for a second start by han
 lock died with the processes that held it, ``--resume auto`` loads the newest good
 checkpoint); what the first start's ``--resume`` asked (``never``: a new run; a file: that
 checkpoint) would start the run over or go back to an older step, so a restart resumes
-``auto`` whatever ``--resume`` says (``resume_plan.py`` decides it from ``restart_count``).
+``auto`` whatever ``--resume`` says (``plan.py`` decides it from ``restart_count``).
 
 torch 2.14.1's agent shares one TCP store with every start of the workers by default, and a
 restarted group can then fail to join (gloo's ``connectFullMesh``: "Connection refused") or
@@ -33,7 +33,7 @@ def restart_count() -> int:
 
 def warn_if_store_shared() -> None:
     """Under torchrun, before the group joins: rank 0 of a first start that allows restarts
-    warns when they may fail to join. (That a restart resumes ``auto`` is ``resume_plan``'s.)"""
+    warns when they may fail to join. (That a restart resumes ``auto`` is ``plan.py``'s.)"""
     count, rank = restart_count(), int(os.environ["RANK"])
     restarts_allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -1,5 +1,5 @@
 """Which run a command means, found on disk: the same command again continues its run, or says
-it is done (``resume_plan.py`` decides which; these functions find the folders).
+it is done (``plan.py`` decides which; these functions find the folders).
 
 A command with ``--run-name`` or ``--run-dir`` names its folder (the run layer resumes it,
 or says there is nothing left to train). Without either, the run folder is the newest
