@@ -218,7 +218,7 @@ def test_crash_inside_a_sharded_save_then_rerun_finishes_identically(fsdp_job, t
     fsdp_job.reference.assert_matches(run_dir)
 
 
-# Three 2-process starts (~2 min on 2 cores): slow; tests/recipes/runner/test_lock.py keeps the
+# Three 2-process starts (~2 min on 2 cores): slow; tests/recipes/runner/training/test_lock.py keeps the
 # mechanism (a spawned process holds the lock past a kill -9 of its parent) in `make test`.
 @pytest.mark.slow
 def test_kill9_of_the_nproc_launcher_keeps_the_folder_locked_until_its_last_process_ends(

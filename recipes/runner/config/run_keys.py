@@ -35,7 +35,7 @@ TRACKER_NAMES = ("none", *TRACKERS)
 # This module imports no torch: ``python -m recipes`` parses and checks the command line
 # before torch loads (seconds), so a mistyped key is answered at once. The choices that the
 # engine and the handlers define next to their torch code are spelled out here again;
-# tests/recipes/runner/test_config.py checks that each copy equals its original.
+# tests/recipes/runner/config/test_command_line.py checks that each copy equals its original.
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")  # engine.precision.PRECISIONS
 SCHEDULER_NAMES = ("none", "step", "cosine", "onecycle", "plateau", "cosine_restarts",
                    "warmup_cosine")  # handlers.lr_scheduling.SCHEDULER_NAMES

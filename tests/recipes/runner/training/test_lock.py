@@ -14,7 +14,7 @@ import pytest
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.training.lock import LOCK_NAME, RunLock
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 HOLD_SCRIPT = """
 import sys, time
 from recipes.runner.training.lock import RunLock

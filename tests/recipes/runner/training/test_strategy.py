@@ -29,7 +29,7 @@ from recipes.runner.training.start_checks import Started
 from recipes.runner.training.train import train
 from tests.helpers import one_error_line
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 GUIDE = REPO / "docs" / "writing-a-recipe.md"
 CHARLM = {"val_fraction": 0.2, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16,
           "batch_size": 16, "epochs": 2, "accum_steps": 2, "max_grad_norm": 0.3,

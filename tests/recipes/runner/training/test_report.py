@@ -15,7 +15,7 @@ from recipes.__main__ import main
 from recipes.charlm.recipe import Config
 from recipes.runner.training.report import closing, header
 
-GUIDE = Path(__file__).parents[3] / "docs" / "writing-a-recipe.md"
+GUIDE = Path(__file__).parents[4] / "docs" / "writing-a-recipe.md"
 
 
 class TinyNet(nn.Module):

@@ -1,5 +1,5 @@
 """A start of torchrun's group: a first one that allows restarts warns while torchrun shares
-its store (that a restarted one resumes ``auto``: test_resume_plan.py; the whole restart:
+its store (that a restarted one resumes ``auto``: test_plan.py; the whole restart:
 tests/reliability)."""
 
 import pytest

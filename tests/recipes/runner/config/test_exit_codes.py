@@ -8,7 +8,7 @@ from pathlib import Path
 from handlers.graceful_stop import EXIT_CODES
 from recipes.runner.config.command_line import ExitCode
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 
 
 def test_the_reference_table_lists_every_exit_code_by_its_name():

@@ -37,7 +37,7 @@ from recipes.runner.training.start_checks import Started
 from recipes.runner.training.train import train
 from tests.helpers import TINY_AIRBENCH_RUN
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 _BUILT: list[nn.Module] = []  # the tiny nets built in this process, newest last
 
 

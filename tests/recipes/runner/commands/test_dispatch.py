@@ -346,7 +346,7 @@ def test_export_on_a_disk_that_refuses_the_program_is_one_line_and_exit_4(charlm
     process with std::terminate (exit 134, a C++ stack) when a write failed."""
     out = tmp_path / "model.pt2"
     done = subprocess.run([sys.executable, "-c", FULL_DISK_EXPORT, str(charlm_run), str(out)],
-                          cwd=Path(__file__).resolve().parents[3], capture_output=True,
+                          cwd=Path(__file__).resolve().parents[4], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 4, done.stderr
     assert done.stderr.strip().splitlines() == [f"error: export: {out}: File too large"]
