@@ -89,8 +89,8 @@ def test_crash_inside_a_checkpoint_save_then_rerun_finishes_identically(phase, r
     reference.assert_same_metrics(run_dir)
 
 
-# One phase in `make test`; tests/handlers/test_checkpoint.py kills the first save at every
-# phase in-process, in about a third of the time.
+# One phase in `make test`; tests/handlers/test_checkpoint_failures.py kills the first save at
+# every phase in-process, in about a third of the time.
 @pytest.mark.parametrize("phase", [pytest.param("before_dir_fsync", marks=pytest.mark.slow),
                                    "before_sidecar"])
 def test_crash_inside_the_first_save_then_rerun_starts_over_and_finishes_identically(
@@ -218,8 +218,9 @@ def test_crash_inside_a_sharded_save_then_rerun_finishes_identically(fsdp_job, t
     fsdp_job.reference.assert_matches(run_dir)
 
 
-# Three 2-process starts (~2 min on 2 cores): slow; tests/recipes/runner/training/test_lock.py keeps the
-# mechanism (a spawned process holds the lock past a kill -9 of its parent) in `make test`.
+# Three 2-process starts (~2 min on 2 cores): slow; tests/recipes/runner/training/test_lock.py
+# keeps the mechanism (a spawned process holds the lock past a kill -9 of its parent) in
+# `make test`.
 @pytest.mark.slow
 def test_kill9_of_the_nproc_launcher_keeps_the_folder_locked_until_its_last_process_ends(
         harness, tmp_path):
