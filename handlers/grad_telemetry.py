@@ -269,6 +269,11 @@ class GradientTelemetry:
         for listener in self._listeners:
             listener(self.latest)
 
+    @property
+    def unreported_steps(self) -> int:
+        """Steps read since the last report: the run's end reports them (a partial interval)."""
+        return len(self._norms)
+
     def end(self, engine: Engine) -> None:
         """The run's end (``COMPLETED``, ``TERMINATE``; the run layer calls it for a finished
         run started again): the partial interval's report and the health line, once."""

@@ -106,6 +106,7 @@ class Progress:
         self._eval_bar: tqdm | None = None
         self._eval_next_line = 0.0
         self._evaluated_epoch = 0  # the epoch of the last evaluation this process ran
+        self._held_line: str | None = None  # the run's last evaluation, said once its steps are
         self._warned_divergence = False
         self._values = ""  # the last report's numbers, which the bar shows with the time left
 
@@ -115,6 +116,10 @@ class Progress:
         self._trainer = trainer
         trainer.add_event_handler(Events.STARTED, self._on_started)
         self.telemetry.add_listener(self._on_report)
+        # A held evaluation line is said after the report it waits for (_on_report), or as
+        # the run ends should that report not come.
+        trainer.add_event_handler(Events.COMPLETED, self._say_held_evaluation)
+        trainer.add_event_handler(Events.TERMINATE, self._say_held_evaluation)
         if self.mode == "bar":
             trainer.add_event_handler(Events.EPOCH_STARTED, self._on_epoch_started)
             trainer.add_event_handler(Events.ITERATION_COMPLETED, self._on_iteration)
@@ -149,12 +154,14 @@ class Progress:
         eta = f"eta {self._eta(max(state.epoch, self._evaluated_epoch + 1))}"
         if self.mode == "bar":
             self._bar.set_postfix_str(f"{values}, {eta}", refresh=False)
-            return
-        iteration = f"{state.iteration}"
-        if state.epoch_length is not None:
-            iteration = f"{(state.iteration - 1) % state.epoch_length + 1}/{state.epoch_length}"
-        self._print(f"epoch {state.epoch}/{state.max_epochs} step {report.step} it {iteration} "
-                    f"{values} {eta}")
+        else:
+            iteration = f"{state.iteration}"
+            if state.epoch_length is not None:
+                iteration = (f"{(state.iteration - 1) % state.epoch_length + 1}/"
+                             f"{state.epoch_length}")
+            self._print(f"epoch {state.epoch}/{state.max_epochs} step {report.step} it "
+                        f"{iteration} {values} {eta}")
+        self._say_held_evaluation()  # the run's last evaluation, if it waited for this report
 
     def _eta(self, next_evaluated_epoch: int) -> str:
         """The time left; ``next_evaluated_epoch``: the first epoch whose evaluation is
@@ -215,11 +222,21 @@ class Progress:
         line += f" | {cost}" if cost else ""
         eta = self._eta(state.epoch + 1)
         line += f" | elapsed {format_duration(self.time_left.elapsed())} eta {eta}"
-        self._print(line)
         if self._bar is not None:  # the evaluation just measured changes the time left
             postfix = f"{self._values}, eta {eta}" if self._values else f"eta {eta}"
             self._bar.set_postfix_str(postfix, refresh=False)
-        self._warn_if_diverging()
+        self._held_line = line
+        # The run's last evaluation waits for the report of the steps before it, which
+        # comes as the run completes (a partial interval); every other is said at once.
+        if (state.iteration != _total_iterations(self._trainer)
+                or not self.telemetry.unreported_steps):
+            self._say_held_evaluation()
+
+    def _say_held_evaluation(self, _: Engine | None = None) -> None:
+        if self._held_line is not None:
+            self._print(self._held_line)
+            self._held_line = None
+            self._warn_if_diverging()
 
     def _warn_if_diverging(self) -> None:
         if self._warned_divergence:

@@ -106,7 +106,8 @@ class ScriptedClock:
         return self.now
 
 
-def scripted_run(mode="plain", stream=None, resume_from_epoch=0, cost=None, inside_at=0):
+def scripted_run(mode="plain", stream=None, resume_from_epoch=0, cost=None, inside_at=0,
+                 log_every=2):
     """``EPOCHS`` epochs of ``BATCHES`` iterations, an evaluation after each (the final one
     declared 3 forwards per sample, the others 1) whose metrics are ``LOSSES`` and
     ``ACCURACIES``, on ``ScriptedClock``'s time; optionally resumed after an epoch; with
@@ -126,7 +127,7 @@ def scripted_run(mode="plain", stream=None, resume_from_epoch=0, cost=None, insi
         index = trainer.state.epoch - 1
         engine.state.metrics = {"accuracy": ACCURACIES[index], "loss": LOSSES[index]}
 
-    telemetry = GradientTelemetry(log_every=2)
+    telemetry = GradientTelemetry(log_every=log_every)
     history = RunHistory(batch_size=4, modes={"accuracy": "max", "loss": "min"},
                          telemetry=telemetry)
     schedule = EvaluationSchedule(due=lambda epoch: True,
@@ -173,6 +174,17 @@ def test_an_evaluation_inside_an_epoch_names_its_step(capsys):
     evals = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
     assert evals[0].startswith("eval epoch 1/3 step 2 accuracy 0.5 loss 2 | "), evals
     assert evals[1].startswith("eval epoch 1/3 accuracy 0.5 loss 2 | "), evals
+
+
+def test_the_runs_last_evaluation_comes_after_its_last_steps_line(capsys):
+    """Reports of 5 steps over 12: the last interval (steps 11-12) is reported as the run
+    completes, after its final evaluation has run; its line still comes first."""
+    scripted_run(log_every=5)
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith(("epoch ", "eval "))]
+    assert lines[-2].startswith("epoch 3/3 step 12 it 4/4 "), lines
+    assert lines[-1].startswith("eval epoch 3/3 accuracy 0.55 "), lines
+    assert [line[:12] for line in lines].count("eval epoch 3") == 1
 
 
 def test_with_a_cost_meter_each_evaluation_line_shows_the_epochs_cost(capsys):
