@@ -12,13 +12,13 @@ from handlers import (
     RunLogger,
     WeightAveraging,
 )
+from handlers.first_step_checks import FirstStepChecks
 from handlers.graceful_stop import GracefulStop
 from handlers.history import RunHistory
 from handlers.spike_guard import SpikeGuard
-from handlers.startup_checks import StartupChecks
 
 HANDLERS = [Checkpointer, EarlyStopping, GracefulStop, GradientTelemetry, Lookahead,
-            LRSchedulerHandler, Progress, RunHistory, RunLogger, SpikeGuard, StartupChecks,
+            LRSchedulerHandler, Progress, RunHistory, RunLogger, SpikeGuard, FirstStepChecks,
             WeightAveraging]
 
 

@@ -30,13 +30,13 @@ from handlers import (
     build_scheduler,
 )
 from handlers.cost import CostMeter
+from handlers.first_step_checks import FirstStepChecks
 from handlers.graceful_stop import GracefulStop
 from handlers.history import RunHistory
 from handlers.jsonl_sink import JsonLinesSink
 from handlers.progress import Evaluations
 from handlers.run_budget import RunBudget
 from handlers.spike_guard import SpikeAction, SpikeGuard
-from handlers.startup_checks import StartupChecks
 from handlers.tensorboard import TensorBoardSink
 from handlers.time_left import EvaluationSchedule
 from handlers.weight_averaging import WeightAveraging
@@ -248,7 +248,7 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         elapsed=history.wall_time, time_label=config.max_time)
     in_order: list[Handler | None] = [
         # A fresh run from --init-from starts on trained weights (a resume is not checked).
-        StartupChecks(site.num_classes, trained_weights=bool(config.init_from))
+        FirstStepChecks(site.num_classes, trained_weights=bool(config.init_from))
         if config.checks == "on" else None,
         telemetry,  # the step's numbers, before anything that reports them
         history,

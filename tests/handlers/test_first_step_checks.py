@@ -7,7 +7,7 @@ from torch import nn
 from tqdm import tqdm
 
 from engine import create_trainer
-from handlers.startup_checks import StartupCheckError, StartupChecks
+from handlers.first_step_checks import FirstStepCheckError, FirstStepChecks
 
 
 def _trainer(model: nn.Module):
@@ -17,7 +17,7 @@ def _trainer(model: nn.Module):
 
 def _run(model, batches, num_classes=4, epochs=1, trainer=None, trained_weights=False):
     trainer = trainer or _trainer(model)
-    checks = StartupChecks(num_classes, stream=io.StringIO(), trained_weights=trained_weights)
+    checks = FirstStepChecks(num_classes, stream=io.StringIO(), trained_weights=trained_weights)
     checks.attach(trainer)
     trainer.run(batches, max_epochs=epochs)
     return checks, trainer
@@ -64,7 +64,7 @@ def test_nan_in_the_first_batch_is_named(make_mlp, make_batches):
 def test_labels_outside_the_classes_stop_before_the_forward(make_mlp, make_batches):
     batches = make_batches(2)
     batches[0][1][0] = 7
-    with pytest.raises(StartupCheckError, match=r"range over \[\d, 7\] but the model has 4 "
+    with pytest.raises(FirstStepCheckError, match=r"range over \[\d, 7\] but the model has 4 "
                                                 r"classes: labels must lie in \[0, 4\)"):
         _run(make_mlp(), batches)
 
@@ -86,7 +86,7 @@ def test_the_checks_leave_the_trainer_after_the_first_iteration_of_each_run(
         make_mlp, make_batches):
     from ignite.engine import Events
     trainer = _trainer(make_mlp())
-    checks = StartupChecks(4, stream=io.StringIO())
+    checks = FirstStepChecks(4, stream=io.StringIO())
     checks.attach(trainer)
     attached = []
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda engine: attached.append(
@@ -105,7 +105,7 @@ def test_the_checks_leave_the_trainer_after_the_first_iteration_of_each_run(
 ])
 def test_bad_arguments_are_named(kwargs, named):
     with pytest.raises(ValueError, match=named):
-        StartupChecks(**kwargs)
+        FirstStepChecks(**kwargs)
 
 
 def test_a_check_line_is_written_above_an_open_progress_bar():
@@ -114,7 +114,7 @@ def test_a_check_line_is_written_above_an_open_progress_bar():
     terminal = io.StringIO()
     bar = tqdm(total=10, file=terminal, ascii=True)
     bar.update(3)
-    checks = StartupChecks(4, stream=terminal)
+    checks = FirstStepChecks(4, stream=terminal)
     checks._say("first loss 1.386, near ln(4) = 1.386: ok")
     bar.close()
     written = terminal.getvalue()

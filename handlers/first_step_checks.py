@@ -1,4 +1,4 @@
-"""Start-up checks: cheap looks at a run's first batch and first loss, one line each.
+"""First-step checks: cheap looks at a run's first batch and first loss, one line each.
 
 The mistakes they catch are the classic first-hour ones: NaN or Inf in the inputs, labels
 outside the classes (cross-entropy would fail with an opaque index error), and a first loss
@@ -19,11 +19,11 @@ from engine import Trainer
 from handlers.arguments import check_int, check_number
 
 
-class StartupCheckError(ValueError):
+class FirstStepCheckError(ValueError):
     """A first batch that cannot train (labels outside the classes); the message says why."""
 
 
-class StartupChecks:
+class FirstStepChecks:
     """Check the first batch of each session (at ``GET_BATCH_COMPLETED``) and, on a fresh
     run, the first micro-batch's loss (at ``ITERATION_COMPLETED``); print one ``check:``
     line per finding to ``stream`` (stdout by default). The two checks are attached at
@@ -34,7 +34,7 @@ class StartupChecks:
     - every floating-point tensor of the batch must be finite: a warning names the
       tensor's place in the batch and how many values are not;
     - with ``num_classes``, integer labels (the second element of an ``(x, y)`` batch)
-      must lie in ``[0, num_classes)``: ``StartupCheckError`` otherwise, before the
+      must lie in ``[0, num_classes)``: ``FirstStepCheckError`` otherwise, before the
       forward pass would fail on them;
     - with ``num_classes``, the first loss of a fresh run should be within
       ``loss_tolerance`` (relative) of ln(num_classes); a warning otherwise. A resumed run
@@ -87,7 +87,7 @@ class StartupChecks:
         if self.num_classes is not None and labels is not None and labels.numel():
             low, high = int(labels.min()), int(labels.max())
             if low < 0 or high >= self.num_classes:
-                raise StartupCheckError(
+                raise FirstStepCheckError(
                     f"labels of the first batch range over [{low}, {high}] but the model has "
                     f"{self.num_classes} classes: labels must lie in [0, {self.num_classes})")
 
