@@ -11,6 +11,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from recipes.runner.sweep.status import status_lines
+
 pytestmark = pytest.mark.reliability
 
 RANDOM_KILLS = 10
@@ -29,9 +31,9 @@ def sweep_command(harness, sweep_dir: Path, trials: int = TRIALS) -> list[str]:
             "none", "--sweep-dir", str(sweep_dir), *command[3:]]
 
 
-def trials_of(sweep_dir: Path) -> list[optuna.trial.FrozenTrial]:
+def study_at(sweep_dir: Path) -> optuna.Study:
     return optuna.load_study(study_name=sweep_dir.name,
-                             storage=f"sqlite:///{sweep_dir / 'study.db'}").trials
+                             storage=f"sqlite:///{sweep_dir / 'study.db'}")
 
 
 def kill_after(command: list[str], env: dict[str, str], cwd: Path, lines: int,
@@ -75,17 +77,19 @@ def test_kill9_at_a_random_moment_then_the_same_command_ends_with_n_trials_bit_i
     command, env = sweep_command(harness, sweep_dir), harness.child_env()
     assert kill_after(command, env, tmp_path, lines, delay_sec) == -signal.SIGKILL
 
-    before = trials_of(sweep_dir)
+    before = study_at(sweep_dir).trials
     interrupted = [trial for trial in before if trial.state == TrialState.RUNNING]
     # A kill after a trial's last progress lines may come once it has ended, between trials.
     assert len(interrupted) == 1 or lines % 8 in (0, 7)
+    table = status_lines(study_at(sweep_dir), harness.recipe, "loss", sweep_dir)
+    assert sum(" interrupted " in f"{line} " for line in table) == len(interrupted)
     finished = {trial.number: harness.file_digests(sweep_dir / f"trial-{trial.number:04d}")
                 for trial in before if trial.state == TrialState.COMPLETE}
     again = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True,
                            timeout=600)
     assert again.returncode == 0, again.stderr
 
-    after = trials_of(sweep_dir)
+    after = study_at(sweep_dir).trials
     assert [trial.state for trial in after] == [TrialState.COMPLETE] * TRIALS
     for number, files in finished.items():  # not trained again, not written again
         assert harness.file_digests(sweep_dir / f"trial-{number:04d}") == files
@@ -116,5 +120,6 @@ def test_two_workers_on_one_sweep_share_its_trials_and_train_none_twice(harness,
                 if line.startswith("trial ") and " in " in line} for out, _ in outputs]
     assert trained[0] and trained[1], "each worker trained a trial"
     assert trained[0].isdisjoint(trained[1]) and trained[0] | trained[1] == {0, 1, 2}
-    counted = [trial for trial in trials_of(sweep_dir) if not trial.user_attrs.get("surplus")]
+    counted = [trial for trial in study_at(sweep_dir).trials
+               if not trial.user_attrs.get("surplus")]
     assert [trial.state for trial in counted] == [TrialState.COMPLETE] * 3

@@ -6,6 +6,7 @@ import sqlite3
 
 import optuna
 import pytest
+from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState
 
 from recipes.__main__ import main
@@ -154,3 +155,14 @@ def test_status_of_no_sweep_is_one_line(folder, capsys):
     code = main(["charlm", "sweep", "--status", "--sweep-dir", str(folder / "none")])
     one_error_line(code, capsys.readouterr().err, "no sweep in")
     assert list(folder.iterdir()) == [folder / "text.txt"]
+
+
+def test_a_journal_file_holds_the_study_where_storage_names_it(folder, capsys):
+    journal = folder / "study.journal"
+    assert main([*SWEEP, "--trials", "1", *SEARCH, "--sweep-name", "j", "--storage",
+                 f"journal:{journal}"]) == 0
+    study = optuna.load_study(study_name="j",
+                              storage=JournalStorage(JournalFileBackend(str(journal))))
+    assert [trial.state for trial in study.trials] == [TrialState.COMPLETE]
+    assert not (folder / "runs" / "charlm" / "sweeps" / "j" / "study.db").exists()
+    assert "1 of 1 trials finished" in capsys.readouterr().out
