@@ -51,7 +51,7 @@ def best_lines(study: optuna.Study, recipe: str, metric: str, sweep_dir: Path) -
     if not finished:
         return ["  best     none yet (no trial has finished)"]
     best = study.best_trial
-    folder = Path(best.user_attrs.get(FOLDER) or trial_folder(sweep_dir, best.number))
+    folder = _near(Path(best.user_attrs.get(FOLDER) or trial_folder(sweep_dir, best.number)))
     epochs = _saved_epochs(folder)
     longer = f" --epochs {2 * epochs}" if epochs else ""
     return [f"  best     trial {best.number}, {metric} {best.value:.4g}: {folder}",
@@ -60,6 +60,15 @@ def best_lines(study: optuna.Study, recipe: str, metric: str, sweep_dir: Path) -
             f"{shlex.quote(str(folder / 'config.json'))}{longer} (a new run with its keys)",
             f"  curves   tensorboard --logdir {shlex.quote(str(sweep_dir))} (HParams: every "
             "trial)"]
+
+
+def _near(folder: Path) -> Path:
+    """``folder`` relative to the working folder when it lies under it (as a run's lines name
+    its folder), else as recorded (absolute)."""
+    try:
+        return folder.relative_to(Path.cwd())
+    except ValueError:
+        return folder
 
 
 def _state(trial: FrozenTrial, sweep_dir: Path) -> str:

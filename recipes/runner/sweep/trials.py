@@ -68,7 +68,10 @@ def _take_orphan(sweep: Sweep) -> tuple[optuna.Trial, Any] | None:
         lock = claim(sweep.sweep_dir, sweep.study, frozen.number)
         if lock is not None:
             say(f"\ntrial {frozen.number} was interrupted: continuing it")
-            return optuna.Trial(sweep.study, frozen._trial_id), lock
+            # Optuna has no public way to get a trial by number back as a Trial to report to.
+            trial = optuna.Trial(sweep.study, frozen._trial_id)
+            name_place(trial, trial_folder(sweep.sweep_dir, frozen.number))  # if it had none
+            return trial, lock
     return None
 
 
