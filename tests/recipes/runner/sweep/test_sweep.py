@@ -8,6 +8,7 @@ import optuna
 import pytest
 from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from recipes.__main__ import main
 from recipes.runner.config.command_line import parse_args
@@ -83,6 +84,9 @@ def test_a_pruned_trial_stops_saved_at_its_first_evaluation_and_says_so(folder, 
     assert summary["status"] == f"pruned at step {steps}" and trial.last_step == steps
     assert json.loads((run_dir / "checkpoints" / "last.pt.json").read_text())[
         "optimizer_step"] == steps
+    events = EventAccumulator(str(run_dir))
+    events.Reload()  # the sweep's TensorBoard has the pruned trial in HParams too
+    assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
     out = capsys.readouterr().out
     assert f"pruned at step {steps}: epoch 1/2" in out  # the run's closing line
     assert f"trial 0: pruned at step {steps}" in out
