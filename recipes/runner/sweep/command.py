@@ -14,13 +14,13 @@ from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ConfigError, ExitCode
 from recipes.runner.config.interpreter import recipes_command
 from recipes.runner.console import say
+from recipes.runner.resume.same_run import continue_command
 from recipes.runner.sweep.options import SweepOptions, parse_options
 from recipes.runner.sweep.status import status_lines
 from recipes.runner.sweep.study import PRUNERS, SAMPLERS, StudyPlace, load_study, open_study
 from recipes.runner.sweep.trials import Sweep, work
-from recipes.runner.training.continue_run import continue_command
-from recipes.runner.training.cost import check_recipe_keys
 from recipes.runner.training.launch import launched_by_torchrun
+from recipes.runner.training.start_checks import check_recipe_keys
 
 
 def sweep(recipe: Recipe, args: list[str]) -> int:

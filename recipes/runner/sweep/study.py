@@ -10,6 +10,7 @@ naming it is refused rather than mixing two searches in one study.
 """
 
 import sqlite3
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ SAMPLERS = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomS
 # What Optuna raises for a storage it cannot use: a damaged file, a schema of another
 # version, a server that refuses.
 STORAGE_ERRORS = (SQLAlchemyError, RuntimeError, ValueError, OSError)
+CREATION_TRIES = 4
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ class StudyPlace:
         except sqlite3.Error as error:
             raise ConfigError(f"{file} is not a readable study database ({error}); move it "
                               "away or give another --sweep-dir or --storage") from None
-        if tables and not {"studies", "alembic_version"} <= tables:
+        # "studies" alone: another worker may be creating Optuna's tables at this instant.
+        if tables and "studies" not in tables:
             raise ConfigError(f"{file} is a database of something else than an Optuna study "
                               f"(tables {', '.join(sorted(tables)[:4])}); give another "
                               "--sweep-dir or --storage")
@@ -86,9 +89,22 @@ class StudyPlace:
                 from optuna.storages.journal import JournalFileBackend, JournalStorage
 
                 return JournalStorage(JournalFileBackend(self.url.removeprefix(JOURNAL)))
-            return optuna.storages.RDBStorage(self.url)
+            return _rdb_storage(self.url)
         except STORAGE_ERRORS as error:
             raise ConfigError(f"--storage {self.url}: {_first_line(error)}") from None
+
+
+def _rdb_storage(url: str) -> Any:
+    """``RDBStorage(url)``, tried again while another worker creates the same database:
+    Optuna creates its tables and stamps their version without a lock, so of two workers
+    started at once on a new sweep one fails (a table or version row that the other has just
+    made); a moment later the tables are there and it opens them."""
+    for attempt in range(1, CREATION_TRIES):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except SQLAlchemyError:
+            time.sleep(0.5 * attempt)
+    return optuna.storages.RDBStorage(url)  # the last try: its error is the one reported
 
 
 def open_study(place: StudyPlace, definition: dict[str, Any], direction: str,
