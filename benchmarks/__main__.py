@@ -31,6 +31,7 @@ from benchmarks.sections import (
     s4_epoch,
     s5_gpu,
     s6_image_folder,
+    s7_sweep,
 )
 from benchmarks.tools import op_count
 from recipes.cifar.recipe import Config
@@ -156,6 +157,9 @@ def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[
     else:
         images_section = (f"## 6. Image-folder data path\n\nUnmeasured: no CIFAR-10 JPEG folders "
                           f"at `{s6_image_folder.SHARED_CIFAR}`.")
+    log("7/7 sweep: what it adds to its trials")
+    sweep_section = s7_sweep.render(s7_sweep.measure(2, 1, log) if quick
+                                    else s7_sweep.measure(4, 2, log))
     cifar_note = ("Synthetic CIFAR-shaped images (`make_synthetic`), cropped, flipped and "
                   "normalised by `TrainBatches` before timing, held in memory.")
     sections = [
@@ -165,6 +169,7 @@ def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[
         s4_epoch.render(epochs),
         gpu_report,
         images_section,
+        sweep_section,
     ]
     failures = s1_overhead.parity_failures(tiny) + s1_overhead.parity_failures(cifar)
     return sections, failures

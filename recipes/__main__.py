@@ -44,8 +44,9 @@ def _usage() -> str:
               "`python -m recipes <recipe> --lr-find` suggests a peak --lr (LR range test).",
               "`--config FILE` reads keys from a TOML or JSON file (a run's config.json too);",
               "`--print-config` prints the resolved config as such a TOML file.",
-              "", "after training (each with --help):",
+              "", "after training, and searching keys (each with --help):",
               "  python -m recipes <recipe> evaluate|export|consolidate <run or checkpoint>",
+              "  python -m recipes <recipe> sweep --trials N --search KEY=SPEC [--key value ...]",
               "  python -m recipes cifar|images predict <run> FILE_OR_FOLDER...",
               "  python -m recipes charlm generate <run> --prompt TEXT"]
     return "\n".join(lines)
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     speak_for_libraries(int(rank) if rank.isdigit() else 0)
     # The command line is checked before torch loads (seconds): a mistake is answered at once.
     try:
-        if rest and not rest[0].startswith("-"):  # a command: evaluate, predict, generate
+        if rest and not rest[0].startswith("-"):  # a command: evaluate, predict, sweep, ...
             return _with_torch(_run_command, name, rest)
         keys = recipe_keys(name)
         if "-h" in rest or "--help" in rest:

@@ -85,7 +85,10 @@ class Parts:
     ``state_dict`` (a ``StatefulDataLoader``'s workers and sampler), it is checkpointed.
     ``attach_extra`` attaches the recipe's own handlers before the standard ones (so a
     checkpoint sees their work of the same step) and returns those whose state must be
-    checkpointed. ``before_evaluation(final)`` runs before each evaluation; ``final`` is
+    checkpointed; one of those that ends the run before its last epoch by request
+    (``trainer.terminate()``) says why in its ``stop_status`` (None until then), which
+    becomes the run's status in summary.json and its closing line (a sweep's pruned trial:
+    ``pruned at step N``). ``before_evaluation(final)`` runs before each evaluation; ``final`` is
     True for the one after the last epoch. ``num_classes`` (classifiers) lets the start-up
     checks test the labels' range and the first loss against ln(num_classes).
     ``model_flops`` and ``tokens_per_sample`` feed the throughput, MFU and memory telemetry.

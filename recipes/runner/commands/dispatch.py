@@ -1,6 +1,7 @@
 """Commands next to training: ``python -m recipes <recipe> <command> <run or checkpoint> ...``.
 
-Every recipe has ``evaluate`` and ``consolidate`` (``commands.consolidate``); a recipe adds
+Every recipe has ``evaluate``, ``consolidate`` (``commands.consolidate``) and ``sweep``
+(``recipes.runner.sweep``: a search of its keys, trials trained as runs); a recipe adds
 its own in ``Recipe.commands`` (every recipe: ``export``, ``commands.export``; cifar and
 images: ``predict``, charlm: ``generate``). Each loads the trained model through
 ``recipes.runner.commands.trained.load_trained`` (``consolidate``: the checkpoint alone) and writes
@@ -20,13 +21,15 @@ from recipes.runner.commands.consolidate import consolidate
 from recipes.runner.commands.trained import Trained, load_trained
 from recipes.runner.config.command_line import ConfigError, ExitCode
 from recipes.runner.console import say, warn
+from recipes.runner.sweep import sweep_command
 from recipes.runner.training.folder import write_json_atomic
 
 VALIDATION = "validation"
 
 
 def commands_of(recipe: Recipe) -> dict[str, Callable[[Recipe, list[str]], int]]:
-    return {"evaluate": evaluate, "consolidate": consolidate, **recipe.commands}
+    return {"evaluate": evaluate, "consolidate": consolidate, "sweep": sweep_command,
+            **recipe.commands}
 
 
 def run_command(recipe: Recipe, name: str, args: list[str]) -> int:

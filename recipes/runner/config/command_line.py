@@ -99,7 +99,9 @@ def base_type(annotation: Any) -> tuple[type, bool]:
     return annotation, False
 
 
-def _convert(name: str, text: str, annotation: Any) -> Any:
+def typed_value(name: str, text: str, annotation: Any) -> Any:
+    """``text`` as the value of key ``name`` of type ``annotation`` (``none`` for an optional
+    key); ConfigError naming the flag and the type it takes."""
     kind, optional = base_type(annotation)
     if optional and text.lower() in ("none", "null", ""):
         return None
@@ -195,7 +197,7 @@ def parse_args(config_cls: type, argv: Sequence[str],
                 text = args.pop(0)
         if name in values:
             raise ConfigError(f"{flag_name(name)}: given twice")
-        values[name] = _convert(name, text, hints[name])
+        values[name] = typed_value(name, text, hints[name])
     config = config_cls(**{**(base or {}), **values})
     validate(config)
     return config, set(values) | set(base or {})

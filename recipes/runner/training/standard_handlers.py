@@ -131,6 +131,8 @@ class StandardHandlers:
     progress: Progress | None = None  # rank 0's
     cost: CostMeter | None = None
     budget: RunBudget | None = None  # --max-steps, --max-time
+    # The recipe's own handlers whose state is checkpointed (``Parts.attach_extra``), by name.
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def end_again(self, trainer: Trainer) -> None:
         """A finished run started again trains nothing, but its end is written again: the
@@ -271,7 +273,7 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
             handler.attach(trainer, evaluator)
     return StandardHandlers(telemetry, history, scheduler, early_stopping, checkpointer, stop,
                             make_scheduler, evaluation, spike_guard, logger, progress,
-                            site.cost, budget)
+                            site.cost, budget, dict(extra_state or {}))
 
 
 def _log_spike_action(logger: RunLogger, action: SpikeAction) -> None:

@@ -21,6 +21,8 @@ def write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
     """Print the closing lines, write ``summary.json`` (with the environment record) and the
     curves; 4 when the disk refuses them, with an error line unless ``disk_error_told``: the
     run's one line already said that the disk refused a checkpoint or the logs."""
+    if status == "completed":
+        status = requested_stop(handlers) or status
     history, early_stopping = handlers.history, handlers.early_stopping
     history.stopped_early = bool(early_stopping and early_stopping.stopped_early)
     summary = {"status": status, "run_id": started.run_id, **history.summary(trainer)}
@@ -39,3 +41,13 @@ def write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
                  f"{error.strerror or error}")
         return ExitCode.DISK
     return ExitCode.DONE
+
+
+def requested_stop(handlers: StandardHandlers) -> str | None:
+    """Why a handler of the recipe's own (``Parts.attach_extra``) ended the run before its
+    last epoch, by request, when one did: its ``stop_status`` (a sweep's pruned trial says
+    ``pruned at step N``). Read where the status is decided, so that summary.json and the
+    closing line say it and a later start of the run, which the handler ends at once, says
+    it again."""
+    return next((status for handler in handlers.extra.values()
+                 if (status := getattr(handler, "stop_status", None))), None)
