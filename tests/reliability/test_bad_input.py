@@ -24,7 +24,7 @@ def runs_root(tmp_path, reference, harness, monkeypatch):
     """``tmp_path`` as the working directory, holding ``runs/existing`` (a copy of the
     finished reference run) and, for CIFAR, ``runs/existing-jpeg``, the same run relabelled
     as one trained on the image folders in ``tmp_path/images``, whose first training JPEG is
-    corrupt."""
+    corrupt, and left unfinished."""
     monkeypatch.chdir(tmp_path)
     harness.copy_run(reference.run_dir, tmp_path / "runs" / "existing")
     for name, content in CONFIG_FILES.items():
@@ -46,6 +46,9 @@ def runs_root(tmp_path, reference, harness, monkeypatch):
     saved = json.loads((jpeg_run / "config.json").read_text())
     saved["config"].update(dataset="cifar10", data_dir=str(images))
     (jpeg_run / "config.json").write_text(json.dumps(saved))
+    # Unfinished (killed before its summary): a start continues it and reads its data. A
+    # finished one would be reported complete, its data unread.
+    (jpeg_run / "summary.json").unlink()
     return tmp_path
 
 

@@ -177,6 +177,7 @@ def test_no_command_runs_the_code_of_a_planted_metadata(sharded_run, trapped_run
 def test_a_resume_falls_back_past_a_planted_folder_unrun(sharded_run, tmp_path, caplog, capsys):
     run_dir, marker = tmp_path / "run", tmp_path / "code-ran"
     shutil.copytree(sharded_run, run_dir, symlinks=True)
+    (run_dir / "summary.json").unlink()  # killed before its summary: the start resumes it
     checkpoints = run_dir / "checkpoints"
     newest = (checkpoints / "last.dcp").resolve()
     planted = checkpoints / "step-00000099.dcp"  # newer than any the run wrote
