@@ -27,8 +27,10 @@ train: $(STAMP)
 	@trap : INT TERM; $(PY) -m recipes $(RECIPE) $(ARGS) || { code=$$?; \
 		[ $$code -eq 130 ] || [ $$code -eq 143 ] || exit $$code; }
 
+# The fast suite; the kill/corrupt/signal suite (tests/reliability) is test-reliability's, so
+# that CI, which runs both, runs each test once.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow and not reliability"
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -313,10 +313,10 @@ class Reference:
         assert '"status": "completed"' in summary
 
 
-# `make test` runs the suite for cifar alone, to stay under 10 minutes on 2 cores: each
-# case costs ~90 s (charlm) to ~190 s (images, a ResNet-18 on the CPU), almost all of it
-# child processes starting up. `make test-reliability` and `make test-slow` run every
-# recipe; tests/recipes/charlm/test_recipe.py and images/test_recipe.py keep each recipe's own
+# The charlm and images cases are slow (~90 s and ~190 s each, a ResNet-18 on the CPU, almost
+# all of it child processes starting up): `pytest -m "not slow"` runs the suite for cifar
+# alone. `make test-reliability` runs every recipe (`make test` leaves the suite out);
+# tests/recipes/charlm/test_recipe.py and images/test_recipe.py keep each recipe's own
 # end-to-end runs (a resume, a kill with DataLoader workers) in `make test`.
 SLOW_CASES = ("charlm", "images")
 

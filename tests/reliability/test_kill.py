@@ -21,7 +21,7 @@ CRASHED_SAVE = 5  # the 5th save (step 12) also evicts step 3: every phase is re
 
 
 def _trial(seed: int):
-    marks = [] if seed == 0 else [pytest.mark.slow]  # trial 0 runs in `make test`
+    marks = [] if seed == 0 else [pytest.mark.slow]  # trial 0 runs in `pytest -m "not slow"`
     return pytest.param(seed, marks=marks, id=f"seed{seed}")
 
 
@@ -89,7 +89,7 @@ def test_crash_inside_a_checkpoint_save_then_rerun_finishes_identically(phase, r
     reference.assert_same_metrics(run_dir)
 
 
-# One phase in `make test`; tests/handlers/test_checkpoint_failures.py kills the first save at
+# One phase outside -m slow; tests/handlers/test_checkpoint_failures.py kills the first save at
 # every phase in-process, in about a third of the time.
 @pytest.mark.parametrize("phase", [pytest.param("before_dir_fsync", marks=pytest.mark.slow),
                                    "before_sidecar"])

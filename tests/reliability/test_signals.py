@@ -12,7 +12,7 @@ pytestmark = pytest.mark.reliability
 # itself (``RELIABILITY_SIGNAL_AT``), so the moment is the same however fast the recipe
 # trains; a signal from outside at a random moment is the kill -9 suite's and test_cli's.
 @pytest.mark.parametrize(("name", "iteration"), [
-    pytest.param("SIGTERM", 11),  # in `make test`
+    pytest.param("SIGTERM", 11),  # outside -m slow
     pytest.param("SIGINT", 19, marks=pytest.mark.slow),
 ])
 def test_signal_saves_the_current_step_exits_and_resumes_identically(name, iteration,

@@ -62,7 +62,7 @@ def kill_after(command: list[str], env: dict[str, str], cwd: Path, lines: int,
 
 
 def _kill(seed: int):
-    marks = [] if seed == 0 else [pytest.mark.slow]  # one kill in `make test`
+    marks = [] if seed == 0 else [pytest.mark.slow]  # one kill in `pytest -m "not slow"`
     return pytest.param(seed, marks=marks, id=f"seed{seed}")
 
 
