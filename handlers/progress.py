@@ -106,7 +106,7 @@ class Progress:
         self._eval_bar: tqdm | None = None
         self._eval_next_line = 0.0
         self._evaluated_epoch = 0  # the epoch of the last evaluation this process ran
-        self._held_line: str | None = None  # the run's last evaluation, said once its steps are
+        self._held_line: str | None = None  # the run's last evaluation, until its steps' report
         self._warned_divergence = False
         self._values = ""  # the last report's numbers, which the bar shows with the time left
 

@@ -4,8 +4,8 @@
 it is flushed is decided here. Imports no torch: the config prints through it before torch
 loads.
 
-The libraries below the run layer (``engine``, ``handlers``, the recipes' data) never print:
-they log, as Ignite's handlers do, and ``ConsoleVoice`` speaks their records in this voice
+What the libraries below the run layer (``engine``, ``handlers``, the recipes' data) log, as
+Ignite's handlers do, ``ConsoleVoice`` speaks in this voice
 (``speak_for_libraries``): INFO as a plain line on stdout, WARNING as ``warning: ...`` and
 ERROR as ``error: ...`` on stderr, each above an open progress bar. Every process installs
 it; a process other than rank 0 speaks only its errors, since all ranks log the same events.
