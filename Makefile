@@ -27,16 +27,18 @@ train: $(STAMP)
 	@trap : INT TERM; $(PY) -m recipes $(RECIPE) $(ARGS) || { code=$$?; \
 		[ $$code -eq 130 ] || [ $$code -eq 143 ] || exit $$code; }
 
-# The fast suite; the kill/corrupt/signal suite (tests/reliability) is test-reliability's, so
-# that CI, which runs both, runs each test once.
+# The fast suite, on two workers (pytest-xdist: one a core); the kill/corrupt/signal suite
+# (tests/reliability) is test-reliability's, so that CI, which runs both, runs each test once.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not reliability"
+	$(PY) -m pytest -q -n 2 -m "not slow and not reliability"
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+# Every recipe's core, and for cifar every variant (tests/reliability/conftest.py says which),
+# on two workers: each child process trains on one thread.
 test-reliability: $(STAMP)
-	$(PY) -m pytest -q -m "reliability or not reliability" tests/reliability
+	$(PY) -m pytest -q -n 2 -m "not (slow and other_recipes)" tests/reliability
 
 # Installs the bench extra (PyTorch Lightning and airbench, compared arms) and the mlflow extra
 # (the tracker's cost) when one is missing.

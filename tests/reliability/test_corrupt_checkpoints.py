@@ -16,7 +16,7 @@ from tests.helpers import (
     plant_pickle_in_a_bytes_entry,
 )
 
-pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+pytestmark = pytest.mark.reliability
 
 
 def _truncate_to_zero(path):
@@ -60,7 +60,10 @@ def _skipped(stderr: str) -> dict[str, str]:
             (line.partition(" rejected: ") for line in lines)}
 
 
-@pytest.mark.parametrize("damage", DAMAGE)
+# One kind of damage is the core every recipe runs; the others are slow (see conftest.py).
+@pytest.mark.parametrize("damage", [
+    name if name == "one_byte_flipped" else pytest.param(name, marks=pytest.mark.slow)
+    for name in DAMAGE])
 def test_damaged_last_checkpoint_falls_back_and_finishes_identically(damage, interrupted_run,
                                                                      reference, harness,
                                                                      tmp_path):
@@ -77,6 +80,7 @@ def test_damaged_last_checkpoint_falls_back_and_finishes_identically(damage, int
     reference.assert_matches(run_dir)
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_run_copied_in_as_newest_is_refused(interrupted_run, reference,
                                                                   harness, tmp_path):
     run_dir = harness.copy_run(interrupted_run, tmp_path / "run")
@@ -95,6 +99,7 @@ def test_checkpoint_of_another_run_copied_in_as_newest_is_refused(interrupted_ru
     reference.assert_matches(run_dir)
 
 
+@pytest.mark.slow
 def test_no_good_checkpoint_exits_2_naming_each_file_and_touches_nothing(interrupted_run,
                                                                          harness, tmp_path):
     run_dir = harness.copy_run(interrupted_run, tmp_path / "run")
@@ -114,6 +119,7 @@ def test_no_good_checkpoint_exits_2_naming_each_file_and_touches_nothing(interru
 
 
 
+@pytest.mark.slow
 def test_checkpoint_that_would_run_code_is_refused_unrun(interrupted_run, reference, harness,
                                                          tmp_path):
     run_dir = harness.copy_run(interrupted_run, tmp_path / "run")
@@ -140,6 +146,7 @@ def test_checkpoint_that_would_run_code_is_refused_unrun(interrupted_run, refere
     assert not marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plant", ["a pickle in a byte entry", "BUILD on a class"])
 def test_a_hostile_newest_sharded_checkpoint_is_passed_over_and_the_run_finishes(
         plant, fsdp_job, tmp_path):
