@@ -6,17 +6,18 @@ far from ln(number of classes), which an untrained classifier gives whatever its
 double softmax, wrong labels or a bad initialisation give something else).
 """
 
+import logging
 import math
-import sys
 from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 from ignite.engine import Engine, Events
-from tqdm import tqdm
 
 from engine import Trainer
 from handlers.arguments import check_int, check_number
+
+logger = logging.getLogger(__name__)
 
 
 class FirstStepCheckError(ValueError):
@@ -26,7 +27,8 @@ class FirstStepCheckError(ValueError):
 class FirstStepChecks:
     """Check the first batch of each session (at ``GET_BATCH_COMPLETED``) and, on a fresh
     run, the first micro-batch's loss (at ``ITERATION_COMPLETED``); print one ``check:``
-    line per finding to ``stream`` (stdout by default). The two checks are attached at
+    ``check:`` line per finding to this module's ``logger``: a problem as a warning, a
+    first loss that looks right at INFO (the command line says both). The two checks are attached at
     each ``STARTED`` and detach themselves after their one run: a handler that only
     returns costs at every iteration (Ignite fires from the list it started with, so
     detaching inside an event skips no other handler).
@@ -46,11 +48,11 @@ class FirstStepChecks:
     """
 
     def __init__(self, num_classes: int | None = None, loss_tolerance: float = 0.5,
-                 stream: TextIO | None = None, *, trained_weights: bool = False) -> None:
+                 *, trained_weights: bool = False) -> None:
         if num_classes is not None:
             check_int("num_classes", num_classes, 2)
         check_number("loss_tolerance", loss_tolerance, 0, 1, "()")
-        self.num_classes, self.loss_tolerance, self.stream = num_classes, loss_tolerance, stream
+        self.num_classes, self.loss_tolerance = num_classes, loss_tolerance
         self.trained_weights = trained_weights
         self.findings: list[str] = []
         self._fresh = True
@@ -66,13 +68,9 @@ class FirstStepChecks:
             if not trainer.has_event_handler(check, event):  # a run that ended before it
                 trainer.add_event_handler(event, check)
 
-    def _say(self, line: str) -> None:
+    def _say(self, line: str, level: int = logging.WARNING) -> None:
         self.findings.append(line)
-        # Through tqdm: on a terminal the progress bar is cleared, the line written, the bar
-        # drawn again below it (a plain print wrote over the bar); elsewhere a plain line.
-        stream = self.stream or sys.stdout
-        tqdm.write(f"check: {line}", file=stream)
-        stream.flush()
+        logger.log(level, "check: %s", line)
 
     def _check_batch(self, trainer: Engine) -> None:
         trainer.remove_event_handler(self._check_batch, Events.GET_BATCH_COMPLETED)
@@ -106,13 +104,14 @@ class FirstStepChecks:
                       "weights' run?")
         elif self.trained_weights:
             self._say(f"first loss {loss:.3f} from trained weights (untrained: {untrained}): "
-                      "ok")
+                      "ok", logging.INFO)
         elif abs(loss / expected - 1) > self.loss_tolerance:
             self._say(f"the first loss {loss:.3f} is far from ln({self.num_classes}) = "
                       f"{expected:.3f}, what an untrained classifier gives: a softmax applied "
                       "twice, wrong labels or a large initialisation?")
         else:
-            self._say(f"first loss {loss:.3f}, near ln({self.num_classes}) = {expected:.3f}: ok")
+            self._say(f"first loss {loss:.3f}, near ln({self.num_classes}) = {expected:.3f}: ok",
+                      logging.INFO)
 
 
 def _tensors(batch: Any, place: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:

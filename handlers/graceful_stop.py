@@ -1,5 +1,6 @@
 """Stop on SIGTERM or Ctrl-C without losing the run: finish the step, commit, exit."""
 
+import logging
 import signal
 import sys
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from engine import Trainer
 from engine.step import window_position
 
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + signal number, as shells report
+logger = logging.getLogger(__name__)
 
 
 class GracefulStop:
@@ -25,8 +27,9 @@ class GracefulStop:
     ``Events.EPOCH_COMPLETED`` (after the epoch's evaluation and checkpoint: attach
     it after those). A second signal while waiting restores the previous handlers and
     hands it to them, so pressing Ctrl-C twice stops at once; where that handler is
-    Python's own (a ``KeyboardInterrupt`` and its traceback), one line is printed and the
-    process ends by the signal, as its default action does (exit status 130).
+    Python's own (a ``KeyboardInterrupt`` and its traceback), one warning is logged and the
+    process ends by the signal, as its default action does (exit status 130). The first
+    signal is logged at INFO (this module's ``logger``; the command line says it).
     ``exit_code`` is 143 or 130 once a signal was handled, else None. Call ``restore()``
     when the run is over.
 
@@ -72,15 +75,14 @@ class GracefulStop:
             self.restore()
             if previous is signal.default_int_handler:  # a KeyboardInterrupt: a traceback
                 # of wherever the step was, dozens of lines; end as the signal's default does
-                print(f"{signal.Signals(signum).name} again: stopping at once",
-                      file=sys.stderr, flush=True)
+                logger.warning("%s again: stopping at once", signal.Signals(signum).name)
                 sys.stdout.flush()
                 signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
         self.received = signal.Signals(signum)
-        print(f"\n{self.received.name}: finishing the current step, then saving and stopping "
-              "(send it again to stop at once)", flush=True)
+        logger.info("%s: finishing the current step, then saving and stopping (send it again "
+                    "to stop at once)", self.received.name)
 
     def _on_iteration(self, trainer: Trainer) -> None:
         if self._world_size == 1 and self.received is None:

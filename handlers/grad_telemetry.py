@@ -1,5 +1,6 @@
 """Gradient telemetry: per-interval statistics of the step's norms, read from the device once."""
 
+import logging
 import statistics
 from array import array
 from collections.abc import Callable
@@ -9,12 +10,13 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 from torch.utils.hooks import RemovableHandle
-from tqdm import tqdm
 
 from engine import Trainer, TrainEvents
 from engine.gradients import CLIP_EPS
 from engine.sharding import local_shards, shard_group, whole_norms
 from handlers.arguments import check_int
+
+logger = logging.getLogger(__name__)
 
 # A median pre-clip norm above this multiple of max_grad_norm means clipping does the job of a
 # smaller learning rate; said only after this many steps: the first steps' norms are an
@@ -61,8 +63,9 @@ class GradientTelemetry:
     registered for those steps only, measures each parameter's gradient norm (unscaled,
     clipped) just before their ``optimizer.step()``; the step zeroes the gradients before
     ``OPTIMIZER_STEP`` fires. At the end of the run the partial interval is reported
-    and one ``health_line()`` is printed. Attach it before step-based checkpoints, so
-    that a checkpoint taken at a step already holds that step's numbers.
+    and one ``health_line()`` is logged (INFO, this module's ``logger``). Attach it before
+    step-based checkpoints, so that a checkpoint taken at a step already holds that step's
+    numbers.
 
     Example::
 
@@ -101,7 +104,7 @@ class GradientTelemetry:
         self._norm_history = array("f")
         self._clipped_total = 0
         self._hist_start = 0
-        self._health_printed = False
+        self._health_said = False
 
     def attach(self, trainer: Trainer, evaluator: Engine | None = None) -> None:
         self._trainer = trainer
@@ -186,7 +189,7 @@ class GradientTelemetry:
             self._scale = self._scale.to(device)
 
     def _on_started(self, engine: Engine) -> None:
-        self._health_printed = False
+        self._health_said = False
         self._arm_layer_hook(engine)
 
     def _on_skipped(self, engine: Engine) -> None:
@@ -277,12 +280,12 @@ class GradientTelemetry:
     def end(self, engine: Engine) -> None:
         """The run's end (``COMPLETED``, ``TERMINATE``; the run layer calls it for a finished
         run started again): the partial interval's report and the health line, once."""
-        if self._health_printed:  # terminate() fires TERMINATE and then COMPLETED
+        if self._health_said:  # terminate() fires TERMINATE and then COMPLETED
             return
         if self._norms:
             self._report(engine)
-        tqdm.write(self.health_line())  # print() would land inside an open progress bar
-        self._health_printed = True
+        logger.info(self.health_line())
+        self._health_said = True
 
 
 def _to_host(values: list[torch.Tensor]) -> torch.Tensor:

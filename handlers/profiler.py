@@ -1,16 +1,16 @@
 """``torch.profiler`` over a window of optimizer steps: a trace and the top operators."""
 
+import logging
 import os
-import sys
 from pathlib import Path
-from typing import TextIO
 
 from ignite.engine import Engine, Events
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
-from tqdm import tqdm
 
 from engine import Trainer, TrainEvents
 from handlers.arguments import check_int
+
+logger = logging.getLogger(__name__)
 
 TOP_OPERATORS = 10  # lines of the table printed when the window ends
 # Kineto, the profiler's C++ side, logs straight to stderr: on a machine without a GPU a CUDA
@@ -26,9 +26,10 @@ class StepProfiler:
     and CUDA's when ``cuda`` (without, the profiler's C++ logging is off: ``KINETO_QUIET``).
     When the window ends it writes ``trace_dir/trace-steps-FIRST-LAST.json.gz`` (Chrome's
     trace format, gzipped; Perfetto and ``chrome://tracing`` open it), named by the steps it
-    holds so that a run interrupted inside the window and resumed keeps both parts, and prints
-    the ``top`` operators by self time (the device's with ``cuda``). ``trace_path`` is that
-    file once written, else None.
+    holds so that a run interrupted inside the window and resumed keeps both parts, and logs
+    (INFO, this module's ``logger``; the command line says it) the ``top`` operators by
+    self time (the device's with ``cuda``). ``trace_path`` is that file once written, else
+    None.
 
     ``attach(trainer, evaluator=None)`` registers on the trainer:
     - ``Events.STARTED`` and ``TrainEvents.OPTIMIZER_STEP``: the window opens once
@@ -44,13 +45,13 @@ class StepProfiler:
     """
 
     def __init__(self, start: int, stop: int, trace_dir: str | Path, *, cuda: bool = False,
-                 top: int = TOP_OPERATORS, stream: TextIO | None = None) -> None:
+                 top: int = TOP_OPERATORS) -> None:
         check_int("start", start, 0, "optimizer steps")
         check_int("stop", stop, start + 1, "optimizer steps")
         check_int("top", top, 1, "operators")
         self.start, self.stop, self.trace_dir = start, stop, Path(trace_dir)
         self.trace_path: Path | None = None
-        self.cuda, self.top, self.stream = cuda, top, stream
+        self.cuda, self.top = cuda, top
         self._profiler: profile | None = None
         self._first_step = 0
         self.done = False
@@ -92,8 +93,7 @@ class StepProfiler:
         self.trace_path = self.trace_dir / f"trace-steps-{self._first_step}-{last}.json.gz"
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(self.trace_path))
-        for line in self.summary(profiler, self._first_step, last):
-            tqdm.write(line, file=self.stream or sys.stdout)  # above an open progress bar
+        logger.info("\n".join(self.summary(profiler, self._first_step, last)))
 
     def summary(self, profiler: profile, first: int, last: int) -> list[str]:
         """A heading and the ``top`` operators by self time, one line each."""

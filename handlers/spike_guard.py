@@ -27,8 +27,9 @@ cost is a second copy of ``state`` in memory (on its device) and in every checkp
 snapshot from an earlier epoch brings back epoch-clocked state (an epoch LR schedule) as it
 was then.
 
-Every action prints one line (unless ``quiet``) and goes to the listeners as a
-``SpikeAction``; ``summary()`` gives the counts for ``summary.json``.
+Every action is one line of this module's ``logger``, a warning but for the cool-down's end
+(the command line says it; ranks other than 0 keep theirs to themselves), and goes to the
+listeners as a ``SpikeAction``; ``summary()`` gives the counts for ``summary.json``.
 
 Events: ``TrainEvents.OPTIMIZER_STEP`` (count, cool-down, snapshot), ``STEP_SKIPPED``
 (count), ``STEP_VETOED`` (the ladder). Attach it after every handler whose state is in
@@ -46,6 +47,7 @@ Example::
 """
 
 import copy
+import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -56,7 +58,9 @@ import torch
 from ignite.engine import Engine, Events
 
 from engine import Trainer, TrainEvents
-from handlers.arguments import check_bool, check_choice, check_int, check_number
+from handlers.arguments import check_choice, check_int, check_number
+
+logger = logging.getLogger(__name__)
 
 WATCHABLE = ("loss", "grad_norm")
 WATCH_CHOICES = ("both", *WATCHABLE)
@@ -90,9 +94,9 @@ class SpikeGuard:
     settled windows roll back; ``snapshot_every`` (default 100) optimizer steps between
     snapshots; ``skip_batches`` (default 200) batches dropped after a rollback;
     ``cooldown_factor`` (in (0, 1], default 0.5) for ``cooldown_steps`` (default 100)
-    optimizer steps; ``max_rollbacks`` (default 1) before a repeat stops the run; ``quiet``
-    silences the printed lines (ranks other than 0). Every argument but ``quiet`` is the
-    run key ``--spike-<name>`` of the same meaning, so a run passes them through unchanged.
+    optimizer steps; ``max_rollbacks`` (default 1) before a repeat stops the run. Every
+    argument is the run key ``--spike-<name>`` of the same meaning, so a run passes them
+    through unchanged.
     """
 
     def __init__(
@@ -109,7 +113,6 @@ class SpikeGuard:
         cooldown_factor: float = 0.5,
         cooldown_steps: int = 100,
         max_rollbacks: int = 1,
-        quiet: bool = False,
     ) -> None:
         check_number("factor", factor, 1.0, bounds="()")
         check_int("window", window, 1)
@@ -125,13 +128,12 @@ class SpikeGuard:
             check_number("cooldown_factor", cooldown_factor, 0.0, 1.0, "()")
         check_int("cooldown_steps", cooldown_steps, 0)
         check_int("max_rollbacks", max_rollbacks, 0)
-        check_bool("quiet", quiet)
         self.factor, self.window, self.min_history = float(factor), window, min_history
         self.watch = WATCHABLE if watch == "both" else (watch,)  # the names compared
         self.repeat, self.repeat_window = repeat, repeat_window
         self.snapshot_every, self.skip_batches = snapshot_every, skip_batches
         self.cooldown_factor, self.cooldown_steps = float(cooldown_factor), cooldown_steps
-        self.max_rollbacks, self.quiet = max_rollbacks, quiet
+        self.max_rollbacks = max_rollbacks
         self.spikes_skipped = self.rollbacks = 0
         self._windows = 0  # settled windows, never rolled back: the repeat clock
         self._spikes: list[int] = []  # the windows of the recent spikes
@@ -276,8 +278,7 @@ class SpikeGuard:
         counts = {**self.summary(),
                   "lr_scale": self.cooldown_factor if self._cooldown_left else 1.0}
         action = SpikeAction(kind, state.optimizer_step, state.iteration, message, counts)
-        if not self.quiet:
-            print(message, flush=True)
+        logger.log(logging.INFO if kind == "cooldown_end" else logging.WARNING, message)
         for listener in self._listeners:
             listener(action)
 

@@ -7,18 +7,11 @@ import argparse
 import torch
 from torch.export import Dim
 
-from recipes.runner import (
-    CommandParser,
-    ConfigError,
-    Exportable,
-    Recipe,
-    Trained,
-    export_command,
-    load_trained,
-    positive_int,
-    seed_int,
-    utf8_text,
-)
+from recipes.runner.api import Recipe
+from recipes.runner.commands.command_parser import CommandParser, positive_int, seed_int, utf8_text
+from recipes.runner.commands.export import Exportable, export_command
+from recipes.runner.commands.trained import Trained, load_trained
+from recipes.runner.config.command_line import ConfigError
 
 VOCABULARY = 256  # bytes
 

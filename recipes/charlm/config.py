@@ -4,7 +4,8 @@ torch loads (no torch here)."""
 from dataclasses import dataclass
 
 from recipes.common.optimizer_choice import OptimizerChoice
-from recipes.runner import RunConfig, field
+from recipes.runner.config.command_line import field
+from recipes.runner.config.run_keys import RunConfig
 
 STDLIB = "stdlib"  # --text: the standard library's own .py files
 

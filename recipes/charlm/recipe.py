@@ -9,6 +9,7 @@ weight matrix and embedding (the tied output layer included), not on biases and 
 end a sample of generated text is printed.
 """
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -25,7 +26,12 @@ from recipes.charlm.model import GPT
 from recipes.charlm.text import cap, split_text
 from recipes.common.data_order import IndexBatches, OrderedBatches
 from recipes.common.optimizers import build_optimizer
-from recipes.runner import ConfigError, Context, DataError, Parts, Recipe, is_sharded
+from recipes.runner.api import Context, Parts, Recipe
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.config.errors import DataError
+from recipes.runner.training.strategy import is_sharded
+
+logger = logging.getLogger(__name__)
 
 SAMPLE_PROMPT, SAMPLE_BYTES = b"def ", 200  # the text generated at the end
 
@@ -84,7 +90,7 @@ def build(config: Config, corpus: Corpus, ctx: Context) -> Parts:
         if ctx.rank != 0:
             return
         text = bytes(sample).decode("utf-8", errors="replace")
-        print(f"sample:\n{text}")
+        logger.info("sample:\n%s", text)
         with SummaryWriter(ctx.run_dir) as writer:
             writer.add_text("sample", f"```\n{text}\n```", trainer.state.iteration)
 

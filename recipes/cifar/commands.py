@@ -10,7 +10,9 @@ from torchvision.transforms import v2
 from recipes.cifar.batches import CIFAR10_MEAN, CIFAR10_STD, EvalBatches
 from recipes.cifar.data import IMAGE_SHAPE, CifarArrays
 from recipes.common.predict import predict_command
-from recipes.runner import ConfigError, Exportable, Trained, export_command
+from recipes.runner.commands.export import Exportable, export_command
+from recipes.runner.commands.trained import Trained
+from recipes.runner.config.command_line import ConfigError
 
 
 def image_batch(trained: Trained, images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ The names of the models and of the test-time augmentations are those of
 from dataclasses import dataclass
 
 from recipes.common.optimizer_choice import OptimizerChoice
-from recipes.runner import RunConfig, field
+from recipes.runner.config.command_line import field
+from recipes.runner.config.run_keys import RunConfig
 
 MODEL_NAMES = ("airbench", "resnet18")
 TTA_NAMES = ("none", "mirror", "mirror_translate")

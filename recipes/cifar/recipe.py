@@ -23,7 +23,9 @@ from recipes.cifar.data import CifarArrays, holdout_validation, load_cifar10, ma
 from recipes.cifar.model import TTA_FORWARDS, TTAPredict, build_model, stages
 from recipes.common.optimizers import build_optimizer
 from recipes.common.paths import default_data_dir
-from recipes.runner import ConfigError, Context, Parts, Recipe, RunPlan, fingerprint_arrays
+from recipes.runner.api import Context, Parts, Recipe, RunPlan
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.training.fingerprint import fingerprint_arrays
 
 SYNTHETIC_SIZES = (10_000, 2_000)  # train, test samples when no subset is given
 # Lookahead as airbench94 tuned it, in samples rather than steps so that it means the same

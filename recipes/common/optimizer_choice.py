@@ -4,7 +4,7 @@ command line is checked before torch loads."""
 
 from dataclasses import dataclass
 
-from recipes.runner import field
+from recipes.runner.config.command_line import field
 
 
 @dataclass

@@ -23,16 +23,10 @@ from ignite.engine import Events
 from engine import create_evaluator
 from handlers.atomic_write import write_atomically
 from recipes.common.image_files import IMAGE_SUFFIXES, has_image_suffix, read_image
-from recipes.runner import (
-    CommandParser,
-    DataError,
-    Recipe,
-    Trained,
-    load_trained,
-    output_path,
-    positive_int,
-    writing,
-)
+from recipes.runner.api import Recipe
+from recipes.runner.commands.command_parser import CommandParser, output_path, positive_int, writing
+from recipes.runner.commands.trained import Trained, load_trained
+from recipes.runner.config.errors import DataError
 
 ImageBatch = Callable[[Trained, list[torch.Tensor]], Any]  # uint8 [3,H,W] images -> a batch
 CHUNK = 64  # images per forward

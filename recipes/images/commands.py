@@ -8,7 +8,8 @@ import torch
 from recipes.common.predict import predict_command
 from recipes.images.config import SMALL_IMAGE_MAX
 from recipes.images.data import ImageData, eval_transform
-from recipes.runner import Exportable, Trained, export_command
+from recipes.runner.commands.export import Exportable, export_command
+from recipes.runner.commands.trained import Trained
 
 
 def image_batch(trained: Trained, images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

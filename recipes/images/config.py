@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.common.optimizer_choice import OptimizerChoice
-from recipes.runner import RunConfig, field
+from recipes.runner.config.command_line import field
+from recipes.runner.config.run_keys import RunConfig
 
 MAX_AUTO_SIZE = 224  # --image-size by default: the first image's shorter side, at most this
 SMALL_IMAGE_MAX = 64  # up to this side: pad-and-crop augmentation and a CIFAR-style stem

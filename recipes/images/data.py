@@ -12,6 +12,7 @@ sampler's position is then the whole state of the data; ``torchdata``'s
 """
 
 import hashlib
+import logging
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -31,7 +32,9 @@ from handlers.arguments import check_int
 from recipes.common.data_order import check_rank, epoch_order, mix_seed
 from recipes.common.image_files import IMAGE_SUFFIXES, class_names, list_class_folder, read_image
 from recipes.images.config import SMALL_IMAGE_MAX
-from recipes.runner import DataError
+from recipes.runner.config.errors import DataError
+
+logger = logging.getLogger(__name__)
 
 VAL_SPLITS = ("val", "test")  # the first of these that exists is the validation split
 EVAL_CROP_FRACTION = 0.875  # large images: resize to side / 0.875, then centre-crop the side
@@ -135,12 +138,13 @@ def hold_out(train: list[Sample], fraction: float, root: Path
 
 
 def report_skipped(skipped: list[str], root: Path) -> None:
-    """One line: how many files were skipped as not images, naming a few."""
+    """One warning: how many files were skipped as not images, naming a few."""
     if skipped:
         names = ", ".join(os.path.relpath(path, root) for path in skipped[:3])
         more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
         files = "file that is not an image" if len(skipped) == 1 else "files that are not images"
-        print(f"skipped {len(skipped)} {files} ({' '.join(IMAGE_SUFFIXES)}): {names}{more}")
+        logger.warning("skipped %d %s (%s): %s%s", len(skipped), files, " ".join(IMAGE_SUFFIXES),
+                       names, more)
 
 
 def shorter_side(path: str) -> int:

@@ -16,7 +16,8 @@ import torch
 import torchvision
 from torch import nn
 
-from recipes.runner import ConfigError, first_mismatch
+from recipes.runner.config.command_line import ConfigError
+from recipes.runner.training.init_from import first_mismatch
 
 NO_WEIGHTS = "none"
 DEFAULT = "DEFAULT"

@@ -42,7 +42,9 @@ from recipes.images.data import (
     train_transform,
 )
 from recipes.images.pretrained import pretrained_classifier, read_pretrained, weights_file
-from recipes.runner import Context, DataError, Parts, Recipe, fingerprint_files
+from recipes.runner.api import Context, Parts, Recipe
+from recipes.runner.config.errors import DataError
+from recipes.runner.training.fingerprint import fingerprint_files
 
 
 def data_folder(config: Config) -> Path:

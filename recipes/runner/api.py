@@ -21,8 +21,8 @@ A recipe module ``recipes/<name>/recipe.py`` holds one value, ``RECIPE = Recipe(
   ``evaluate --split`` can name) and ``blocks(model) -> [module]`` (the repeated blocks
   that ``--strategy fsdp`` shards one by one, ``recipes.runner.training.strategy``).
 
-``recipes.runner.run(RECIPE, config, given)`` does the rest (``python -m recipes <name>`` calls
-it).
+``run(RECIPE, config, given)`` (``recipes.runner.training.run``) does the rest
+(``python -m recipes <name>`` calls it).
 """
 
 from collections.abc import Callable, Iterable, Mapping

@@ -1,10 +1,9 @@
-import io
+import logging
 import math
 
 import pytest
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from engine import create_trainer
 from handlers.first_step_checks import FirstStepCheckError, FirstStepChecks
@@ -17,7 +16,7 @@ def _trainer(model: nn.Module):
 
 def _run(model, batches, num_classes=4, epochs=1, trainer=None, trained_weights=False):
     trainer = trainer or _trainer(model)
-    checks = FirstStepChecks(num_classes, stream=io.StringIO(), trained_weights=trained_weights)
+    checks = FirstStepChecks(num_classes, trained_weights=trained_weights)
     checks.attach(trainer)
     trainer.run(batches, max_epochs=epochs)
     return checks, trainer
@@ -86,7 +85,7 @@ def test_the_checks_leave_the_trainer_after_the_first_iteration_of_each_run(
         make_mlp, make_batches):
     from ignite.engine import Events
     trainer = _trainer(make_mlp())
-    checks = FirstStepChecks(4, stream=io.StringIO())
+    checks = FirstStepChecks(4)
     checks.attach(trainer)
     attached = []
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda engine: attached.append(
@@ -108,16 +107,16 @@ def test_bad_arguments_are_named(kwargs, named):
         FirstStepChecks(**kwargs)
 
 
-def test_a_check_line_is_written_above_an_open_progress_bar():
-    """Through tqdm.write: the bar is cleared, the line written, the bar drawn again below;
-    a plain print would write over the bar's line."""
-    terminal = io.StringIO()
-    bar = tqdm(total=10, file=terminal, ascii=True)
-    bar.update(3)
-    checks = FirstStepChecks(4, stream=terminal)
-    checks._say("first loss 1.386, near ln(4) = 1.386: ok")
-    bar.close()
-    written = terminal.getvalue()
-    before, line, after = written.partition("check: first loss 1.386, near ln(4) = 1.386: ok\n")
-    assert line, written
-    assert before.endswith("\r") and "3/10" in after  # the bar cleared first, drawn again after
+def test_a_problem_is_a_warning_and_a_first_loss_that_looks_right_is_info(
+        make_mlp, make_batches, caplog):
+    caplog.set_level(logging.INFO, logger="handlers")
+    _run(make_mlp(), make_batches(1))
+    wide = make_mlp()
+    with torch.no_grad():
+        wide[-1].weight.mul_(100)  # a first loss far from ln(4)
+    _run(wide, make_batches(1))
+    said = [(r.levelname, r.getMessage()) for r in caplog.records
+            if r.name == "handlers.first_step_checks"]
+    assert [level for level, _ in said] == ["INFO", "WARNING"], said
+    assert said[0][1].startswith("check: first loss") and said[0][1].endswith(": ok")
+    assert said[1][1].startswith("check: the first loss") and "far from ln(4)" in said[1][1]

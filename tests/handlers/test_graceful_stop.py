@@ -155,7 +155,9 @@ from ignite.engine import Events
 from torch import nn
 from engine import create_trainer
 from handlers.graceful_stop import GracefulStop
+from recipes.runner.console import speak_for_libraries
 
+speak_for_libraries()  # what the command line installs: the handler's lines in its voice
 model = nn.Linear(4, 2)
 trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                          nn.CrossEntropyLoss())
@@ -181,5 +183,5 @@ def test_a_second_ctrl_c_under_pythons_own_handler_ends_in_one_line(tmp_path):
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                           env=os.environ | {"PYTHONPATH": str(REPO)})
     assert done.returncode == -signal.SIGINT
-    assert done.stderr == "SIGINT again: stopping at once\n"
+    assert done.stderr == "warning: SIGINT again: stopping at once\n"
     assert "send it again to stop at once" in done.stdout and "not reached" not in done.stdout

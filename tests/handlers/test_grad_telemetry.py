@@ -1,4 +1,5 @@
 import copy
+import logging
 import sys
 
 import pytest
@@ -65,7 +66,8 @@ def run_with_reports(trainer, telemetry, data):
     return reports
 
 
-def test_interval_stats_equal_the_hand_computed_ones(capsys):
+def test_interval_stats_equal_the_hand_computed_ones(caplog):
+    caplog.set_level(logging.INFO, logger="handlers")
     trainer = scripted_trainer(SCRIPT, scale=1024.0)
     reports = run_with_reports(trainer, GradientTelemetry(log_every=2), range(6))
 
@@ -80,8 +82,7 @@ def test_interval_stats_equal_the_hand_computed_ones(capsys):
         "grad_norm_clipped_mean": 1.0, "clip_fraction": 0.5, "skipped_steps": 1.0,
         "amp_scale": 1024.0,
     })
-    printed = capsys.readouterr().out.splitlines()
-    assert printed == [
+    assert said(caplog) == [
         "grad health: 50.0% of 4 steps clipped, 1 skipped, median norm 1.5, max 4"
     ]
 
@@ -122,14 +123,15 @@ def test_amp_scale_only_when_the_step_reports_a_scale():
     assert all("amp_scale" not in report.stats for report in reports)
 
 
-def test_end_of_run_reports_the_partial_interval_once_even_after_terminate(capsys):
+def test_end_of_run_reports_the_partial_interval_once_even_after_terminate(caplog):
+    caplog.set_level(logging.INFO, logger="handlers")
     trainer = scripted_trainer(SCRIPT)
     trainer.add_event_handler(Events.ITERATION_COMPLETED(once=4), lambda e: e.terminate())
     reports = run_with_reports(trainer, GradientTelemetry(log_every=3), range(6))
 
     assert [r.step for r in reports] == [3]
     assert reports[0].stats["grad_norm_mean"] == pytest.approx((0.5 + 2 + 4) / 3)
-    assert capsys.readouterr().out.count("grad health:") == 1
+    assert len(said(caplog)) == 1 and said(caplog)[0].startswith("grad health:")
 
 
 def count_host_reads(monkeypatch):
@@ -251,11 +253,13 @@ def test_fp16_trainer_reports_the_scale_and_fp32_does_not():
     assert "amp_scale" not in first_report("fp32")[0].stats
 
 
-def test_state_roundtrip_resumes_with_identical_reports(tmp_path, capsys):
+def test_state_roundtrip_resumes_with_identical_reports(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="handlers")
     script = SCRIPT + [dict(SCRIPT[1], loss=5.0), dict(SCRIPT[3], loss=7.0), dict(SCRIPT[2])]
     trainer = scripted_trainer(script, scale=8.0)
     uninterrupted = run_with_reports(trainer, GradientTelemetry(log_every=3), range(9))
-    health = capsys.readouterr().out
+    health = said(caplog)
+    caplog.clear()
     assert [r.step for r in uninterrupted] == [3, 6, 7]  # 7: the partial interval at the end
 
     first = scripted_trainer(script, scale=8.0)
@@ -270,7 +274,7 @@ def test_state_roundtrip_resumes_with_identical_reports(tmp_path, capsys):
 
     first.add_event_handler(Events.ITERATION_COMPLETED(once=6), save_and_stop)
     first.run(range(9), max_epochs=1)
-    capsys.readouterr()
+    caplog.clear()
     resumed = scripted_trainer(script, scale=8.0)
     resumed_telemetry = GradientTelemetry(log_every=3)
     resumed_telemetry.load_state_dict(torch.load(tmp_path / "telemetry.pt", weights_only=True))
@@ -278,12 +282,18 @@ def test_state_roundtrip_resumes_with_identical_reports(tmp_path, capsys):
     after_resume = run_with_reports(resumed, resumed_telemetry, range(9))
 
     assert after_resume == uninterrupted[1:]
-    assert capsys.readouterr().out == health
+    assert said(caplog) == health and len(health) == 1
 
 
 def test_load_refuses_a_state_saved_with_another_log_every():
     with pytest.raises(ValueError, match="log_every"):
         GradientTelemetry(log_every=4).load_state_dict(GradientTelemetry(log_every=2).state_dict())
+
+
+def said(caplog) -> list[str]:
+    """What the telemetry logged (its health line)."""
+    return [record.getMessage() for record in caplog.records
+            if record.name == "handlers.grad_telemetry"]
 
 
 def health_line(norms, max_grad_norm):

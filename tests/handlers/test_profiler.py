@@ -2,8 +2,8 @@
 trace as ``step<n>``: the window holds exactly its steps, the trace is Chrome's JSON."""
 
 import gzip
-import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +19,28 @@ from engine import TrainEvents
 from handlers.profiler import StepProfiler
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+class Said(logging.Handler):
+    """The lines the profiler logs, while attached (``with Said() as said``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.logger = logging.getLogger("handlers.profiler")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines += record.getMessage().splitlines()
+
+    def __enter__(self) -> "Said":
+        self._level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self._level)
 
 
 def scripted_trainer(resume_at: int = 0) -> Engine:
@@ -38,15 +60,16 @@ def scripted_trainer(resume_at: int = 0) -> Engine:
 
 
 def profiled(tmp_path, start: int, stop: int, steps: int, resume_at: int = 0):
-    """(the steps marked in the trace, the printed lines, the handler, the trainer)."""
-    trainer, stream = scripted_trainer(resume_at), io.StringIO()
-    profiler = StepProfiler(start, stop, tmp_path / "profile", stream=stream)
+    """(the steps marked in the trace, the logged lines, the handler, the trainer)."""
+    trainer = scripted_trainer(resume_at)
+    profiler = StepProfiler(start, stop, tmp_path / "profile")
     profiler.attach(trainer)
-    trainer.run(range(steps - resume_at), max_epochs=1)
+    with Said() as said:
+        trainer.run(range(steps - resume_at), max_epochs=1)
     trace = json.loads(gzip.decompress(profiler.trace_path.read_bytes()))
     marked = sorted(int(event["name"][4:]) for event in trace["traceEvents"]
                     if event.get("name", "").startswith("step"))
-    return marked, stream.getvalue().splitlines(), profiler, trainer
+    return marked, said.lines, profiler, trainer
 
 
 def test_the_trace_holds_the_window_steps_and_the_top_operators_are_printed_once(tmp_path):
@@ -90,7 +113,7 @@ def test_a_run_interrupted_inside_the_window_and_resumed_keeps_both_parts(tmp_pa
 
 def test_a_run_resumed_past_the_window_profiles_nothing(tmp_path):
     trainer = scripted_trainer(resume_at=6)
-    profiler = StepProfiler(2, 5, tmp_path, stream=io.StringIO())
+    profiler = StepProfiler(2, 5, tmp_path)
     profiler.attach(trainer)
     trainer.run(range(2), max_epochs=1)
     assert profiler.trace_path is None and not profiler.done
@@ -106,7 +129,7 @@ def test_bad_windows_are_refused(tmp_path, start, stop, named):
 
 def test_each_window_step_is_marked_profiler_step_n_around_its_work(tmp_path):
     trainer = scripted_trainer()
-    profiler = StepProfiler(2, 5, tmp_path, stream=io.StringIO())
+    profiler = StepProfiler(2, 5, tmp_path)
     profiler.attach(trainer)
     trainer.run(range(8), max_epochs=1)
     events = json.loads(gzip.decompress(profiler.trace_path.read_bytes()))["traceEvents"]
@@ -126,13 +149,14 @@ def test_the_printed_table_lists_operators_not_the_step_markers(tmp_path):
         torch.ones(8, 8).mm(torch.ones(8, 8))
         engine.fire_event(TrainEvents.OPTIMIZER_STEP)
 
-    trainer, stream = Engine(step), io.StringIO()
+    trainer = Engine(step)
     trainer.register_events(*TrainEvents)
     trainer.add_event_handler(Events.STARTED,
                               lambda engine: setattr(engine.state, "optimizer_step", 0))
-    StepProfiler(0, 3, tmp_path, stream=stream).attach(trainer)
-    trainer.run(range(4), max_epochs=1)
-    table = stream.getvalue().splitlines()[1:]
+    StepProfiler(0, 3, tmp_path).attach(trainer)
+    with Said() as said:
+        trainer.run(range(4), max_epochs=1)
+    table = said.lines[1:]
     assert any(line.endswith("aten::mm") for line in table)
     assert not any("ProfilerStep" in line for line in table)
 

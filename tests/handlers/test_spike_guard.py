@@ -1,4 +1,5 @@
 import copy
+import logging
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ EPOCH_LENGTH, EPOCHS = 16, 3
 # Small enough for a run of 48 iterations: decisions from the 4th window on, two spikes
 # within 5 windows roll back.
 LADDER = {"window": 8, "min_history": 4, "repeat": 2, "repeat_window": 5,
-          "snapshot_every": 3, "skip_batches": 3, "cooldown_steps": 4, "quiet": True}
+          "snapshot_every": 3, "skip_batches": 3, "cooldown_steps": 4}
 
 
 @pytest.fixture(params=["host_gate", "masked_gate"])
@@ -87,7 +88,7 @@ def record(trainer, every=Events.ITERATION_COMPLETED):
     {"window": 5, "min_history": 6}, {"watch": ""}, {"watch": ("loss",)},
     {"watch": "accuracy"}, {"repeat": 0}, {"repeat_window": 0}, {"snapshot_every": 0},
     {"skip_batches": -1}, {"cooldown_factor": 0.0}, {"cooldown_factor": 1.5},
-    {"cooldown_steps": -1}, {"max_rollbacks": -1}, {"quiet": 1},
+    {"cooldown_steps": -1}, {"max_rollbacks": -1},
 ])
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(ValueError):
@@ -136,8 +137,9 @@ def test_no_decision_before_min_history():
     assert (trainer.state.optimizer_step, trainer.state.skipped_steps) == (4, 0)
 
 
-def test_the_ladder_rolls_back_skips_ahead_cools_down_then_stops(gate, capsys):
-    trainer, guard, data, _ = make_run(spikes={10, 12, 30, 31}, quiet=False)
+def test_the_ladder_rolls_back_skips_ahead_cools_down_then_stops(gate, caplog):
+    caplog.set_level(logging.INFO, logger="handlers")
+    trainer, guard, data, _ = make_run(spikes={10, 12, 30, 31})
     seen = record(trainer)
     actions, scales, iterations = [], {}, []
     guard.add_listener(actions.append)
@@ -167,8 +169,10 @@ def test_the_ladder_rolls_back_skips_ahead_cools_down_then_stops(gate, capsys):
     assert [scales[i] for i in range(16, 21)] == [0.5, 0.5, 0.5, 1.0, 1.0]
     assert trainer.optimizer.param_groups[0]["lr"] == 0.05
     assert guard.summary() == {"spikes_skipped": 4, "rollbacks": 1}
-    printed = capsys.readouterr().out
-    assert printed.count("spike guard:") == 7 and "rolled back to step 7" in printed
+    said = [r for r in caplog.records if r.name == "handlers.spike_guard"]
+    assert [r.getMessage() for r in said] == [action.message for action in actions]
+    assert [r.levelname for r in said] == [
+        "INFO" if action.kind == "cooldown_end" else "WARNING" for action in actions]
 
 
 def test_a_rollback_at_the_end_of_an_epoch_skips_no_batch():

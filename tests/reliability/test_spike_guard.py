@@ -33,9 +33,10 @@ def recovered(harness, tmp_path_factory):
 
 def test_two_spikes_are_skipped_then_the_run_rolls_back_and_finishes(recovered, harness):
     run_dir, result = recovered
-    assert "spike guard: skipped the update of step 10 (iteration 10)" in result.stdout
+    assert ("warning: spike guard: skipped the update of step 10 (iteration 10)"
+            in result.stderr)
     assert ("rolled back to step 9 (iteration 9), skipped 2 batches to iteration 14"
-            in result.stdout)
+            in result.stderr)
     assert "LR cool-down over" in result.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["spikes_skipped"], summary["rollbacks"]) == (2, 1)
@@ -77,7 +78,7 @@ def test_a_recovered_run_killed_and_rerun_ends_bit_identical(iteration, recovere
     killed = harness.run_recipe(run_dir, *GUARD_ARGS, faults={
         **SPIKES, "RELIABILITY_SIGNAL_AT": f"SIGKILL:iteration:{iteration}"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert ("rolled back" in killed.stdout) == (iteration > 12)
+    assert ("rolled back" in killed.stderr) == (iteration > 12)
 
     resumed = harness.run_recipe(run_dir, *GUARD_ARGS, faults=SPIKES)
     assert resumed.returncode == 0, resumed.stderr

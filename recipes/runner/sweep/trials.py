@@ -2,7 +2,7 @@
 it as an ordinary run in ``<sweep-dir>/trial-NNNN``, tell Optuna its result; until the study
 holds ``trials`` finished or pruned trials, counting those other workers are training.
 
-Each trial is ``recipes.runner.run`` on the fixed keys plus the trial's values, with
+Each trial is ``recipes.runner.training.run.run`` on the fixed keys plus the trial's values, with
 ``--run-dir`` its folder: its checkpoints, TensorBoard, metrics.jsonl and summary.json are a
 run's, and a trial started again (its worker killed) resumes from its newest checkpoint as
 any run does, bit-identical to one never interrupted.

@@ -215,7 +215,7 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
     to_save |= {"early_stopping": early_stopping} if early_stopping is not None else {}
     spike_guard = None
     if config.spike_guard:
-        spike_guard = SpikeGuard(**group_values(config, "spike"), quiet=site.rank != 0)
+        spike_guard = SpikeGuard(**group_values(config, "spike"))
         spike_guard.rolls_back({name: obj for name, obj in to_save.items()
                                 if name not in NOT_ROLLED_BACK})
         to_save["spike_guard"] = spike_guard

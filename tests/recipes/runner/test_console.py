@@ -1,9 +1,12 @@
 """The console module: the run layer prints through it and nowhere else."""
 
 import ast
+import io
 import logging
 import sys
 from pathlib import Path
+
+from tqdm import tqdm
 
 import recipes.runner
 from recipes.runner.console import say, speak_for_libraries, warn
@@ -17,6 +20,27 @@ def print_calls(path: Path) -> list[int]:
     return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id == "print"]
+
+
+def writes(path: Path) -> list[int]:
+    """The lines of ``path`` that call ``print`` or ``tqdm.write``."""
+    return print_calls(path) + [
+        node.lineno for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "write" and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "tqdm"]
+
+
+def test_the_libraries_log_and_never_print():
+    """engine/, handlers/ and the recipes' data speak through ``logging``, which the command
+    line's voice says; the progress display is the one handler whose job is to write."""
+    repo = RUN_LAYER.parents[1]
+    libraries = [*repo.glob("engine/*.py"), *repo.glob("handlers/*.py"),
+                 *repo.glob("recipes/*/data.py")]
+    found = {str(path.relative_to(repo)): lines for path in libraries
+             if path.name != "progress.py" and (lines := writes(path))}
+    assert found == {}
+    assert writes(repo / "handlers" / "progress.py")  # the search sees one where there is one
 
 
 def test_no_module_of_the_run_layer_but_the_console_calls_print():
@@ -67,3 +91,19 @@ def test_a_process_other_than_rank_zero_speaks_only_its_errors(capsys):
         assert capsys.readouterr() == ("", "error: this rank's own failure\n")
     finally:
         speak_for_libraries(rank=0)
+
+
+def test_a_record_is_written_above_an_open_progress_bar(monkeypatch):
+    """Through tqdm.write: the bar is cleared, the line written, the bar drawn again below;
+    a plain print would write over the bar's line."""
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    bar = tqdm(total=10, file=terminal, ascii=True)
+    bar.update(3)
+    speak_for_libraries(rank=0)
+    logging.getLogger("handlers.first_step_checks").info("check: first loss 1.386: ok")
+    bar.close()
+    written = terminal.getvalue()
+    before, line, after = written.partition("check: first loss 1.386: ok\n")
+    assert line, written
+    assert before.endswith("\r") and "3/10" in after  # the bar cleared first, drawn again after

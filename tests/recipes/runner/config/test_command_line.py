@@ -269,9 +269,9 @@ def test_group_values_are_the_groups_keys_without_the_prefix():
 
 
 def test_the_spike_keys_are_spike_guards_arguments():
-    """Every --spike-<name> is SpikeGuard's argument <name> (all but quiet, which a run
-    sets per rank): a key or an argument renamed on one side only fails here."""
-    arguments = set(inspect.signature(SpikeGuard).parameters) - {"quiet"}
+    """Every --spike-<name> is SpikeGuard's argument <name>: a key or an argument renamed
+    on one side only fails here."""
+    arguments = set(inspect.signature(SpikeGuard).parameters)
     assert set(group_values(RunConfig(), "spike")) == arguments
 
 

@@ -315,7 +315,7 @@ def test_print_config_loads_no_torch_writes_nothing_and_exits_0(tmp_path):
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()
                 if line.startswith("import time:")}
     assert result.returncode == 0
-    assert "tomllib" in imported  # config/file.py read the file (the facade loads it unlisted)
+    assert "tomllib" in imported  # config/file.py read the file
     assert not {"torch", "torchvision", "ignite"} & imported
     assert "\nepochs = 4\n" in result.stdout and "\nlr = 0.5\n" in result.stdout
     assert sorted(path.name for path in tmp_path.iterdir()) == ["f.toml"]
