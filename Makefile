@@ -18,14 +18,14 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PIP_INSTALL) -e '.[dev]'
 	@touch $(STAMP)
 
-# A run stopped by Ctrl-C or SIGTERM (exit 130 or 143) has saved its step and printed the command
-# that continues it: not a make error. The trap keeps the shell waiting for the run when the
+# A run stopped by Ctrl-C, SIGTERM or SIGUSR1 (exit 130, 143 or 138) has saved its step and
+# printed the command that continues it: not a make error. The trap keeps the shell waiting for the run when the
 # signal reaches the whole process group (Ctrl-C does), instead of ending before it. Make gets
 # that Ctrl-C too and, once the run has ended, exits by it (130): no makefile can stop that.
 train: $(STAMP)
 	$(info $(PY) -m recipes $(RECIPE) $(ARGS))
 	@trap : INT TERM; $(PY) -m recipes $(RECIPE) $(ARGS) || { code=$$?; \
-		[ $$code -eq 130 ] || [ $$code -eq 143 ] || exit $$code; }
+		[ $$code -eq 130 ] || [ $$code -eq 143 ] || [ $$code -eq 138 ] || exit $$code; }
 
 # The fast suite, on two workers (pytest-xdist: one a core); the kill/corrupt/signal suite
 # (tests/reliability) is test-reliability's, so that CI, which runs both, runs each test once.

@@ -1,4 +1,5 @@
-"""Stop on SIGTERM or Ctrl-C without losing the run: finish the step, commit, exit."""
+"""Stop on SIGTERM, Ctrl-C or a scheduler's SIGUSR1 without losing the run: finish the step,
+commit, exit."""
 
 import logging
 import signal
@@ -12,12 +13,15 @@ from ignite.engine import Engine, Events
 from engine import Trainer
 from engine.step import window_position
 
-EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + signal number, as shells report
+# 128 + the signal's number, as shells report. SIGUSR1 is what a cluster scheduler sends
+# before it preempts (SLURM's --signal=USR1@<seconds>): Python's default would end the process
+# unsaved.
+EXIT_CODES = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGUSR1: 138}
 logger = logging.getLogger(__name__)
 
 
 class GracefulStop:
-    """On SIGTERM or SIGINT, let the current accumulation window finish (its
+    """On SIGTERM, SIGINT or SIGUSR1, let the current accumulation window finish (its
     micro-batches' gradients are not in any checkpoint), call ``save(trainer)``
     to commit a ``last`` checkpoint, then ``terminate()`` the trainer.
 
@@ -30,8 +34,8 @@ class GracefulStop:
     Python's own (a ``KeyboardInterrupt`` and its traceback), one warning is logged and the
     process ends by the signal, as its default action does (exit status 130). The first
     signal is logged at INFO (this module's ``logger``; the command line says it).
-    ``exit_code`` is 143 or 130 once a signal was handled, else None. Call ``restore()``
-    when the run is over.
+    ``exit_code`` is 143, 130 or 138 (``EXIT_CODES``) once a signal was handled, else None.
+    Call ``restore()`` when the run is over.
 
     Example::
 

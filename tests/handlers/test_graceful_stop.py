@@ -19,7 +19,8 @@ BATCHES_PER_EPOCH = 8  # with accum_steps=3 the windows are iterations 1-3, 4-6 
 @pytest.fixture(autouse=True)
 def keep_signal_handlers():
     """Whatever a test does, pytest's own handlers are back afterwards."""
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    previous = {signum: signal.getsignal(signum)
+                for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     yield
     for signum, handler in previous.items():
         signal.signal(signum, handler)
@@ -66,11 +67,12 @@ def test_sigterm_mid_window_saves_once_at_the_window_end_and_stops(
     assert stop.received == signal.SIGTERM and stop.exit_code == 143
 
 
-def test_sigint_exits_130(make_mlp, make_batches):
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGUSR1, 138)])
+def test_sigint_exits_130_and_a_schedulers_sigusr1_138(make_mlp, make_batches, signum, code):
     trainer = _trainer(make_mlp, accum_steps=1)
-    stop, saved = _run_with_signal(trainer, make_batches(BATCHES_PER_EPOCH), signal.SIGINT, 5)
+    stop, saved = _run_with_signal(trainer, make_batches(BATCHES_PER_EPOCH), signum, 5)
     assert saved == [5] and trainer.state.iteration == 5
-    assert stop.received == signal.SIGINT and stop.exit_code == 130
+    assert stop.received == signum and stop.exit_code == code
 
 
 def test_a_signal_after_the_last_iteration_check_stops_at_the_epoch_end(make_mlp, make_batches):

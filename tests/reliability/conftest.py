@@ -392,7 +392,8 @@ def fsdp_job(tmp_path_factory) -> SimpleNamespace:
                            run_and_signal=functools.partial(run_and_signal, case, group=True))
 
 
-SIGNALS = {"SIGTERM": (signal.SIGTERM, 143), "SIGINT": (signal.SIGINT, 130)}
+SIGNALS = {"SIGTERM": (signal.SIGTERM, 143), "SIGINT": (signal.SIGINT, 130),
+           "SIGUSR1": (signal.SIGUSR1, 138)}
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
-"""SIGTERM and Ctrl-C (SIGINT): the current step finishes, a ``last`` checkpoint of exactly
-that step is committed, the process exits 143 / 130, and running the same command again
-finishes the run bit-identically."""
+"""SIGTERM, Ctrl-C (SIGINT) and a scheduler's SIGUSR1: the current step finishes, a ``last``
+checkpoint of exactly that step is committed, the process exits 143 / 130 / 138, and running
+the same command again finishes the run bit-identically."""
 
 import json
 
@@ -14,6 +14,7 @@ pytestmark = pytest.mark.reliability
 @pytest.mark.parametrize(("name", "iteration"), [
     pytest.param("SIGTERM", 11),  # outside -m slow
     pytest.param("SIGINT", 19, marks=pytest.mark.slow),
+    pytest.param("SIGUSR1", 13, marks=pytest.mark.slow),
 ])
 def test_signal_saves_the_current_step_exits_and_resumes_identically(name, iteration,
                                                                      reference, harness,

@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 
 class ExitCode(IntEnum):
     """The exit status of ``python -m recipes``, a training run or a command after it; the
-    table in docs/reference.md (#exit-codes) says the same. 130 and 143 are
+    table in docs/reference.md (#exit-codes) says the same. 130, 138 and 143 are
     ``handlers.graceful_stop.EXIT_CODES``' (128 + the signal), as shells report them."""
 
     DONE = 0  # trained, stopped by --max-steps/--max-time, already complete, a command's result
@@ -32,6 +32,7 @@ class ExitCode(IntEnum):
     NON_FINITE = 3  # non-finite gradients or loss spikes that a rollback did not cure
     DISK = 4  # the disk refused a write (the run folder, a checkpoint, a command's output)
     INTERRUPTED = 130  # Ctrl-C (SIGINT): the step finished and saved
+    PREEMPTED = 138  # SIGUSR1 (a scheduler's notice before it preempts): finished and saved
     BROKEN_PIPE = 141  # the reader of the output went away (e.g. `| head`)
     TERMINATED = 143  # SIGTERM: the step finished and saved
 

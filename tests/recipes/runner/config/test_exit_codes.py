@@ -19,5 +19,6 @@ def test_the_reference_table_lists_every_exit_code_by_its_name():
 
 def test_the_signal_codes_are_the_graceful_stops():
     assert EXIT_CODES == {signal.SIGINT: ExitCode.INTERRUPTED,
-                          signal.SIGTERM: ExitCode.TERMINATED}
+                          signal.SIGTERM: ExitCode.TERMINATED,
+                          signal.SIGUSR1: ExitCode.PREEMPTED}
 
