@@ -1,7 +1,9 @@
 """Event handlers: one concern per module, each attached as
 ``handler.attach(trainer, evaluator=None)`` (``handlers.handler``)."""
 
-from handlers.checkpoint import Checkpointer, CheckpointError, ResumeInfo, read_checkpoint
+from handlers.checkpoint.checkpointer import Checkpointer, ResumeInfo
+from handlers.checkpoint.files import CheckpointError
+from handlers.checkpoint.formats import read_checkpoint
 from handlers.early_stopping import EarlyStopping
 from handlers.goal import Goal
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from handlers.crash_points import CrashPoints
+from handlers.checkpoint.crash_points import CrashPoints
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], Any], *,

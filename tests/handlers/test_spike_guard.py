@@ -9,7 +9,7 @@ from torch import nn
 import engine.trainer
 from engine import RngState, TrainEvents, create_trainer
 from engine.update_gate import MaskedGate
-from handlers.checkpoint import Checkpointer
+from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.spike_guard import LossSpikeError, SpikeGuard
 
 EPOCH_LENGTH, EPOCHS = 16, 3

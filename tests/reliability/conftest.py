@@ -32,8 +32,8 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.util.tensor_util import make_ndarray
 
-from handlers.checkpoint import read_checkpoint
-from handlers.checkpoint_files import checkpoint_in
+from handlers.checkpoint.files import checkpoint_in
+from handlers.checkpoint.formats import read_checkpoint
 from tests.helpers import copy_run, digests
 
 RUN_RECIPE = Path(__file__).with_name("run_recipe.py")

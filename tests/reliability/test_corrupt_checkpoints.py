@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from handlers.checkpoint import read_checkpoint
+from handlers.checkpoint.formats import read_checkpoint
 from tests.helpers import (
     RunsCodeWhenUnpickled,
     plant_build_on_a_class,

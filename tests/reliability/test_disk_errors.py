@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from handlers.checkpoint import read_checkpoint
+from handlers.checkpoint.formats import read_checkpoint
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from handlers.checkpoint import read_checkpoint
+from handlers.checkpoint.formats import read_checkpoint
 from tests.helpers import CHARLM, write_text
 
 pytestmark = pytest.mark.reliability

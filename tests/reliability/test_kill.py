@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from handlers.crash_points import CRASH_PHASES
+from handlers.checkpoint.crash_points import CRASH_PHASES
 
 pytestmark = pytest.mark.reliability
 
@@ -89,7 +89,7 @@ def test_crash_inside_a_checkpoint_save_then_rerun_finishes_identically(phase, r
     reference.assert_same_metrics(run_dir)
 
 
-# One phase outside -m slow; tests/handlers/test_checkpoint_failures.py kills the first save at
+# One phase outside -m slow; tests/handlers/checkpoint/test_failures.py kills the first save at
 # every phase in-process, in about a third of the time.
 @pytest.mark.parametrize("phase", [pytest.param("before_dir_fsync", marks=pytest.mark.slow),
                                    "before_sidecar"])

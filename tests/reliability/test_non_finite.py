@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from handlers.checkpoint import read_checkpoint
+from handlers.checkpoint.formats import read_checkpoint
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 

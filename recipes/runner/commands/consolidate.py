@@ -3,7 +3,7 @@
 
 For a run trained with ``--strategy fsdp``, whose checkpoints are sharded ``.dcp`` folders:
 the folder is verified (every shard's checksum) and its shards gathered into whole tensors
-on the CPU (``handlers.sharded_checkpoint.read_sharded``), then written as the .pt file a
+on the CPU (``handlers.checkpoint.sharded.read_sharded``), then written as the .pt file a
 one-process run would have saved, with its checksum sidecar:
 ``torch.load(file, weights_only=True)["model"]`` is a plain ``state_dict`` for the recipe's
 model, the optimizer's state is keyed by index as ``optimizer.state_dict()`` keys it, and
@@ -15,9 +15,9 @@ other tools. The file goes to ``<run>/export/<checkpoint>.pt`` (or ``--out``), w
 
 from pathlib import Path
 
-from handlers.checkpoint import read_checkpoint
-from handlers.checkpoint_files import SingleFile
-from handlers.crash_points import CrashPoints
+from handlers.checkpoint.crash_points import CrashPoints
+from handlers.checkpoint.files import SingleFile
+from handlers.checkpoint.formats import read_checkpoint
 from recipes.runner.api import Recipe
 from recipes.runner.commands.command_parser import CommandParser, output_path, writing
 from recipes.runner.commands.trained import find_checkpoint, saved_config

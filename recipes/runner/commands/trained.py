@@ -2,7 +2,7 @@
 
 ``load_trained(recipe, source, checkpoint, device)`` finds the checkpoint (a run folder's
 ``checkpoints/<best|last>.pt`` or a file), verifies it as a resume does
-(``handlers.checkpoint.read_checkpoint``: sidecar checksum, ``weights_only=True``),
+(``handlers.checkpoint.formats.read_checkpoint``: sidecar checksum, ``weights_only=True``),
 rebuilds the run's config from the one stored in the checkpoint, refuses a checkpoint of
 another recipe, loads the run's data and builds the recipe's parts with that config, then
 loads the weights the run evaluated: the averaged ones when the run used ``--averaging``.
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from handlers import CheckpointError
-from handlers.checkpoint import read_checkpoint
-from handlers.checkpoint_files import checkpoint_in, is_checkpoint
+from handlers.checkpoint.files import checkpoint_in, is_checkpoint
+from handlers.checkpoint.formats import read_checkpoint
 from recipes.runner.api import Context, Parts, Recipe
 from recipes.runner.config.command_line import ConfigError, validate
 from recipes.runner.console import warn

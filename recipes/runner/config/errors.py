@@ -1,6 +1,6 @@
 """The exceptions that mean "the user must change something": exit 2, one line, no traceback."""
 
-from handlers.checkpoint import CheckpointError
+from handlers.checkpoint.files import CheckpointError
 from recipes.runner.config.command_line import ConfigError
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import new_run_id
-from handlers.checkpoint_files import committed_checkpoints
+from handlers.checkpoint.files import committed_checkpoints
 from recipes.runner.config.command_line import FOLDER_KEYS, ConfigError, resume_overrides
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.resume.elastic import restart_count

@@ -11,13 +11,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from handlers.checkpoint import read_checkpoint
-from handlers.checkpoint_files import (
+from handlers.checkpoint.files import (
     CHECKPOINT_NAME,
     LINK_NAMES,
     CheckpointError,
     claimed_position,
 )
+from handlers.checkpoint.formats import read_checkpoint
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.console import say
 

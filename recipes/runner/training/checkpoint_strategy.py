@@ -1,27 +1,15 @@
-"""Which checkpoints a run writes, by its ``--strategy``: ``ddp`` (and one process) the
-single-file format, rank 0 writing each ``.pt``; ``fsdp`` the sharded one
-(``handlers.sharded_checkpoint``), every process writing its own shards of each ``.dcp``
-folder. A checkpoint of the other kind is refused before anything is written.
+"""How a run's checkpoints take part across processes, by its ``--strategy`` (the format
+itself is picked by ``handlers.checkpoint.formats.format_for``): rank 0 writes each ``.pt``,
+every process its own shards of each ``.dcp``. A checkpoint of the other kind is refused
+before anything is written.
 """
 
 from pathlib import Path
 
-from handlers.checkpoint import CheckpointFormat
-from handlers.checkpoint_files import (
-    CHECKPOINT_NAME,
-    SingleFile,
-    claimed_position,
-    committed_checkpoints,
-)
-from handlers.sharded_checkpoint import ShardedFolder
+from handlers.checkpoint.files import CHECKPOINT_NAME, claimed_position, committed_checkpoints
+from handlers.checkpoint.formats import SUFFIXES
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.training.launch import RankZeroSave
-
-SUFFIXES = {"ddp": ".pt", "fsdp": ".dcp"}
-
-
-def checkpoint_format(strategy: str) -> CheckpointFormat:
-    return ShardedFolder() if strategy == "fsdp" else SingleFile()
 
 
 def save_wrapper(strategy: str) -> type:

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from handlers.checkpoint import read_checkpoint
-from handlers.checkpoint_files import (
+from handlers.checkpoint.files import (
     CheckpointError,
     checkpoint_in,
     is_checkpoint,
     read_sidecar,
 )
+from handlers.checkpoint.formats import read_checkpoint
 from recipes.runner.api import Context, Recipe
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.resume.plan import ResumePlan

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from engine import resolve_precision
-from handlers.checkpoint_files import checkpoint_in
+from handlers.checkpoint.files import checkpoint_in
 from handlers.progress import best_so_far, divergence, format_duration
 from recipes.runner.api import Recipe
 from recipes.runner.config.interpreter import recipes_command

@@ -29,6 +29,7 @@ from handlers import (
     RunLogger,
     build_scheduler,
 )
+from handlers.checkpoint.formats import format_for
 from handlers.cost import CostMeter
 from handlers.first_step_checks import FirstStepChecks
 from handlers.graceful_stop import GracefulStop
@@ -43,7 +44,7 @@ from handlers.weight_averaging import WeightAveraging
 from recipes.runner.api import RunPlan
 from recipes.runner.config.command_line import ConfigError, group_values
 from recipes.runner.config.run_keys import RunConfig, max_time_seconds
-from recipes.runner.training.checkpoint_strategy import checkpoint_format, save_wrapper
+from recipes.runner.training.checkpoint_strategy import save_wrapper
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         keep_last=config.keep_last, keep_best=config.keep_best, best=goal,
         save_every=config.checkpoint_every,
         wrap_save=save_wrapper(config.strategy),
-        checkpoint_format=checkpoint_format(config.strategy))
+        checkpoint_format=format_for(config.strategy))
     stop = GracefulStop(checkpointer.last_handler)  # every rank gets the signal, all save
     max_seconds = max_time_seconds(config.max_time)
     budget = None if config.max_steps is None and max_seconds is None else RunBudget(

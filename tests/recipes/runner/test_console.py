@@ -75,10 +75,10 @@ def test_warn_writes_to_the_stderr_of_the_moment(capsys, monkeypatch):
 def test_a_librarys_records_are_spoken_once_in_the_consoles_voice(capsys):
     speak_for_libraries(rank=0)
     speak_for_libraries(rank=0)  # installed once: every record is said once
-    logging.getLogger("handlers.checkpoint").info("resumed from last.pt")
+    logging.getLogger("handlers.checkpoint.checkpointer").info("resumed from last.pt")
     logging.getLogger("engine.run_state").warning("rng state missing")
     logging.getLogger("recipes.cifar.data").error("cache unreadable")
-    logging.getLogger("handlers.checkpoint").debug("no checkpoint: starting fresh")
+    logging.getLogger("handlers.checkpoint.checkpointer").debug("no checkpoint: starting fresh")
     assert capsys.readouterr() == ("resumed from last.pt\n",
                                    "warning: rng state missing\nerror: cache unreadable\n")
 
@@ -86,8 +86,8 @@ def test_a_librarys_records_are_spoken_once_in_the_consoles_voice(capsys):
 def test_a_process_other_than_rank_zero_speaks_only_its_errors(capsys):
     try:
         speak_for_libraries(rank=1)
-        logging.getLogger("handlers.checkpoint").warning("said by rank 0 already")
-        logging.getLogger("handlers.checkpoint").error("this rank's own failure")
+        logging.getLogger("handlers.checkpoint.checkpointer").warning("said by rank 0 already")
+        logging.getLogger("handlers.checkpoint.checkpointer").error("this rank's own failure")
         assert capsys.readouterr() == ("", "error: this rank's own failure\n")
     finally:
         speak_for_libraries(rank=0)

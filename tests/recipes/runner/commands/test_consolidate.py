@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from handlers.checkpoint import read_checkpoint
+from handlers.checkpoint.formats import read_checkpoint
 from recipes.__main__ import main
 from recipes.runner.commands.trained import load_trained
 from recipes.runner.config.interpreter import interpreter

@@ -12,12 +12,12 @@ from ignite.engine import Engine
 from torch import nn
 
 from engine import create_trainer
-from handlers import sharded_checkpoint
-from handlers.checkpoint import Checkpointer
-from handlers.checkpoint_files import FORMAT_VERSION
-from handlers.crash_points import CrashPoints
+from handlers.checkpoint import sharded as sharded_checkpoint
+from handlers.checkpoint.checkpointer import Checkpointer
+from handlers.checkpoint.crash_points import CrashPoints
+from handlers.checkpoint.files import FORMAT_VERSION
+from handlers.checkpoint.sharded import ShardedFolder
 from handlers.goal import Goal
-from handlers.sharded_checkpoint import ShardedFolder
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.resume.request import (
     check_resume_file,

@@ -11,13 +11,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from handlers import CheckpointError
-from handlers.checkpoint_files import SingleFile
-from handlers.sharded_checkpoint import ShardedFolder
+from handlers.checkpoint.files import SingleFile
+from handlers.checkpoint.formats import format_for
+from handlers.checkpoint.sharded import ShardedFolder
 from recipes.__main__ import main
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.training.checkpoint_strategy import (
     EveryRankSave,
-    checkpoint_format,
     refuse_other_format,
     save_wrapper,
 )
@@ -26,8 +26,8 @@ from tests.helpers import CHARLM_RUN, digests, leave_the_group, one_error_line, 
 
 
 def test_each_strategy_has_its_format_and_its_save():
-    assert isinstance(checkpoint_format("fsdp"), ShardedFolder)
-    assert isinstance(checkpoint_format("ddp"), SingleFile)
+    assert isinstance(format_for("fsdp"), ShardedFolder)
+    assert isinstance(format_for("ddp"), SingleFile)
     assert (save_wrapper("fsdp"), save_wrapper("ddp")) == (EveryRankSave, RankZeroSave)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from handlers.checkpoint_files import read_sidecar
+from handlers.checkpoint.files import read_sidecar
 from recipes.__main__ import main
 from recipes.cifar.recipe import RECIPE as CIFAR
 from recipes.runner.resume.plan import fresh_init_from

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from handlers.checkpoint import read_checkpoint
+from handlers.checkpoint.formats import read_checkpoint
 from recipes.__main__ import main
 from recipes.cifar.config import Config
 from tests.helpers import CHARLM, CIFAR, digests, one_error_line, write_text

@@ -20,7 +20,7 @@ import torch
 
 from engine import new_run_id
 from handlers import read_checkpoint
-from handlers.checkpoint_files import checkpoint_in
+from handlers.checkpoint.files import checkpoint_in
 from recipes.__main__ import main
 from recipes.charlm import recipe as charlm
 from recipes.cifar import recipe as cifar

@@ -13,10 +13,10 @@ fsync of the folder), so a crash at any instant leaves the previous file whole. 
 trusted only when its sidecar exists and the sha256 and size match (``read_file``).
 ``link_atomically`` switches ``last.pt``/``best.pt`` with ``os.link`` to a temp name and
 ``os.replace``: hard links keep their data alive whatever retention deletes (the folder must
-support hard links). The ``Checkpointer`` (``handlers.checkpoint``) decides what to write when;
+support hard links). The ``Checkpointer`` (``checkpointer``) decides what to write when;
 ``SingleFile`` is this format as the ``Checkpointer`` is given it, and
-``handlers.sharded_checkpoint.ShardedFolder`` the sharded one (a folder per checkpoint, written
-by every process of a ``fully_shard`` run); ``handlers.checkpoint.read_checkpoint`` reads
+``handlers.checkpoint.sharded.ShardedFolder`` the sharded one (a folder per checkpoint, written
+by every process of a ``fully_shard`` run); ``handlers.checkpoint.formats.read_checkpoint`` reads
 both.
 """
 
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from handlers.atomic_write import fsync_dir, os_error_behind, write_atomically
-from handlers.crash_points import CrashPoints
-from handlers.untrusted_files import (
+from handlers.checkpoint.crash_points import CrashPoints
+from handlers.checkpoint.untrusted import (
     SIDECAR_MAX_BYTES,
     CheckpointError,
     check_stored_zip,
@@ -63,7 +63,7 @@ _PLAIN_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.Size, t
 def read_file(path: str | os.PathLike, *, expected_run_id: str | None = None,
               required_keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """Verify the .pt file ``path`` against its sidecar and load it onto the CPU with
-    ``weights_only=True`` (``handlers.checkpoint.read_checkpoint`` reads either format). The
+    ``weights_only=True`` (``handlers.checkpoint.formats.read_checkpoint`` reads either format). The
     file is opened once (``open_checkpoint_file``), its size and sha256 checked and its
     archive's entries checked to be stored uncompressed before ``torch.load`` reads it.
 

@@ -10,13 +10,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
-from handlers.checkpoint_files import CheckpointError
-from handlers.dcp_metadata import (
+from handlers.checkpoint.dcp_metadata import (
     MAX_METADATA_BYTES,
     SafeFileSystemReader,
     SafeLoadPlanner,
     read_metadata,
 )
+from handlers.checkpoint.files import CheckpointError
 from tests.helpers import RunsCodeWhenUnpickled
 
 

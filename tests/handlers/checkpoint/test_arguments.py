@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from handlers.checkpoint import Checkpointer
+from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.goal import Goal
-from tests.handlers.checkpoint_run import (
+from tests.handlers.checkpoint.checkpoint_run import (
     _build,
     _evaluate,
     _exactly,

@@ -1,4 +1,4 @@
-"""The checkpoint files (``handlers.checkpoint_files``): the single-file format's own steps,
+"""The checkpoint files (``handlers.checkpoint.files``): the single-file format's own steps,
 ``load_payload``'s refusals, ``read_checkpoint`` of a sharded folder (one process, no process
 group: DCP writes it in-process), finding a checkpoint in a folder, and the ``Checkpointer``'s
 refusal of a folder holding the other format's checkpoints. All in-process and fast: these
@@ -16,8 +16,9 @@ import torch.serialization
 from torch import nn
 
 from engine import create_trainer
-from handlers.checkpoint import Checkpointer, read_checkpoint
-from handlers.checkpoint_files import (
+from handlers.checkpoint.checkpointer import Checkpointer
+from handlers.checkpoint.crash_points import CrashPoints
+from handlers.checkpoint.files import (
     FORMAT_VERSION,
     CheckpointError,
     SingleFile,
@@ -28,8 +29,8 @@ from handlers.checkpoint_files import (
     sha256_of,
     sidecar_of,
 )
-from handlers.crash_points import CrashPoints
-from handlers.sharded_checkpoint import ShardedFolder
+from handlers.checkpoint.formats import read_checkpoint
+from handlers.checkpoint.sharded import ShardedFolder
 
 META = {"format_version": FORMAT_VERSION, "run_id": "run-a", "epoch": 1, "iteration": 1,
         "optimizer_step": 1}

@@ -1,15 +1,13 @@
 """Crash-safe checkpoints: the newest, the best by a metric, and a short history.
 
 The ``Checkpointer`` decides what is saved when, what retention keeps, and which file a run
-resumes from; the format it is given writes and reads one checkpoint: ``SingleFile``
-(``handlers.checkpoint_files``, one .pt file) or ``ShardedFolder``
-(``handlers.sharded_checkpoint``, a folder of shards written by every process of a
-``fully_shard`` run). The policy is the same for both.
+resumes from; the format it is given (``handlers.checkpoint.formats``) writes and reads one
+checkpoint. The policy is the same for both formats.
 A save writes the .pt, then its sidecar, then switches ``last.pt``/``best.pt``, and only then
 deletes what retention evicts: a crash at any instant leaves the previous checkpoint and its
 sidecar untouched, and a half-written or half-switched pair fails verification, so the resume
-falls back to the previous checkpoint. ``handlers.crash_points`` can kill a save at each of
-those phases (test-only).
+falls back to the previous checkpoint. ``crash_points`` can kill a save at each of those
+phases (test-only).
 """
 
 import logging
@@ -19,13 +17,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ignite.engine import Engine, Events
 
 from engine import Trainer, TrainEvents
 from handlers.arguments import check_int
-from handlers.checkpoint_files import (
+from handlers.checkpoint.crash_points import CrashPoints
+from handlers.checkpoint.files import (
     CHECKPOINT_NAME,
     FORMAT_VERSION,
     RESERVED_KEYS,
@@ -33,57 +32,14 @@ from handlers.checkpoint_files import (
     SingleFile,
     claimed_position,
     committed_checkpoints,
-    read_file,
     sidecar_of,
     unloadable_entry,
 )
-from handlers.crash_points import CrashPoints
+from handlers.checkpoint.formats import CheckpointFormat
 from handlers.goal import Goal
 
 logger = logging.getLogger(__name__)
 SaveHandler = Callable[[Engine], None]
-
-
-def read_checkpoint(path: str | os.PathLike, *, expected_run_id: str | None = None,
-                    required_keys: tuple[str, ...] = (), whole: bool = True) -> dict[str, Any]:
-    """Verify ``path`` against its sidecar and load it onto the CPU with ``weights_only=True``.
-
-    Raises ``CheckpointError`` whose ``reason`` is e.g. ``truncated (0 bytes)``,
-    ``no checksum sidecar ...``, ``checksum mismatch``, ``from another run <id>`` or
-    ``not a checkpoint: <error>``. Use it to read weights for evaluation:
-    ``read_checkpoint("checkpoints/best.pt")["model"]``. A sharded checkpoint folder
-    (``best.dcp``) reads the same way, its shards gathered into whole tensors
-    (``handlers.sharded_checkpoint.read_sharded``); ``whole=False`` verifies every file of
-    it but loads no shard (for its ``meta``: the whole model may not fit one process).
-    """
-    path = Path(path)
-    if path.is_dir() or path.suffix == ".dcp":
-        from handlers.sharded_checkpoint import read_sharded  # torch.distributed only here
-
-        return read_sharded(path, expected_run_id=expected_run_id, required_keys=required_keys,
-                            whole=whole)
-    return read_file(path, expected_run_id=expected_run_id, required_keys=required_keys)
-
-
-class CheckpointFormat(Protocol):
-    """How one checkpoint is written, verified and read; ``SingleFile`` and
-    ``handlers.sharded_checkpoint.ShardedFolder`` are the two. Under several processes every
-    process calls each method at the same moment when the format's saves are collective."""
-
-    suffix: str  # of a checkpoint's name: ".pt", ".dcp"
-
-    def snapshot(self, to_save: dict[str, Any]) -> dict[str, Any]: ...
-    def first_non_finite(self, model_state: dict[str, Any]) -> str | None: ...
-    def unloadable(self, payload: dict[str, Any]) -> str | None: ...
-    def write(self, path: Path, payload: dict[str, Any], meta: dict[str, Any], *,
-              file_mode: int, crash: CrashPoints) -> None: ...
-    def read(self, path: Path, *, expected_run_id: str | None,
-             required_keys: tuple[str, ...]) -> dict[str, Any]: ...
-    def restore(self, path: Path, payload: dict[str, Any], targets: dict[str, Any]) -> None: ...
-    def link(self, target: Path, links: list[Path]) -> None: ...
-    def delete(self, path: Path, crash: CrashPoints) -> None: ...
-    def stale_temps(self, dirname: Path) -> list[Path]: ...
-    def remove(self, path: Path) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ file, and all tensors together no larger than the shards. A folder claiming a 40
 from 0.5 MB of shards is refused before anything is allocated.
 
 **Entries** are read by ``SafeFileSystemReader``, DCP's reader whose files are opened by
-``handlers.untrusted_files.open_checkpoint_file`` (no link, regular files only), each entry's
+``handlers.checkpoint.untrusted.open_checkpoint_file`` (no link, regular files only), each entry's
 ``torch.save`` archive checked to be stored uncompressed, and whose ``read_data`` accepts only
 the planners below, which load byte entries with ``weights_only=True``.
 """
@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from handlers.untrusted_files import (
+from handlers.checkpoint.untrusted import (
     CheckpointError,
     FileWindow,
     check_stored_zip,

@@ -15,13 +15,15 @@ import torch
 from ignite.engine import Engine
 from torch import nn
 
-import handlers.checkpoint as checkpoint_module
-import handlers.checkpoint_files as checkpoint_files_module
-import handlers.sharded_checkpoint as sharded_checkpoint_module
-from handlers.checkpoint import Checkpointer, CheckpointError, read_checkpoint
+import handlers.checkpoint.checkpointer as checkpoint_module
+import handlers.checkpoint.files as checkpoint_files_module
+import handlers.checkpoint.sharded as sharded_checkpoint_module
+from handlers.checkpoint.checkpointer import Checkpointer
+from handlers.checkpoint.files import CheckpointError
+from handlers.checkpoint.formats import read_checkpoint
 from handlers.goal import Goal
 from handlers.jsonl_sink import JsonLinesSink
-from tests.handlers.checkpoint_run import (
+from tests.handlers.checkpoint.checkpoint_run import (
     DATA,
     FILE_SIZE_LIMIT_SCRIPT,
     REPO_ROOT,
@@ -44,7 +46,7 @@ def test_non_finite_weights_are_never_saved(tmp_path, caplog):
     run.ckpt.save_last(run.trainer)
     with torch.no_grad():
         run.model[3].bias[1] = float("inf")
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint.checkpointer"):
         _move_trainer_to(run, 2)
         run.ckpt.save_last(run.trainer)
         evaluator = Engine(lambda engine, batch: None)
@@ -223,7 +225,7 @@ def test_a_process_killed_inside_its_first_save_starts_fresh(tmp_path, caplog, p
     """Nothing was committed: whatever .pt the save left is not a checkpoint yet."""
     _run_until_killed(tmp_path, phase)
     fresh = _save_every_step(_build(tmp_path, seed=5, keep_last=1))
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint.checkpointer"):
         assert fresh.ckpt.resume("auto") is None
     assert fresh.trainer.state.iteration == 0
     if phase in ("before_dir_fsync", "before_sidecar"):  # the .pt is in place, unsidecarred

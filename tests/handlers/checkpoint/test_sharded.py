@@ -1,4 +1,4 @@
-"""Sharded checkpoints (``handlers.sharded_checkpoint``): two ``fully_shard`` processes on the
+"""Sharded checkpoints (``handlers.checkpoint.sharded``): two ``fully_shard`` processes on the
 CPU (gloo) save, verify and resume bit-identically; the same folders resume on one process
 and read whole into a plain model; an incomplete or corrupt newest folder gives way to the
 previous one; a save killed at each phase of its commit resumes from a complete checkpoint."""
@@ -22,16 +22,17 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
-import handlers.sharded_checkpoint as sharded_checkpoint
+import handlers.checkpoint.sharded as sharded_checkpoint
 from engine import Trainer, create_trainer
 from engine.run_state import RngState
-from handlers.checkpoint import Checkpointer, CheckpointError, read_checkpoint
-from handlers.checkpoint_files import SingleFile
-from handlers.crash_points import CRASH_PHASES, CrashPoints
-from handlers.sharded_checkpoint import ShardedFolder
+from handlers.checkpoint.checkpointer import Checkpointer
+from handlers.checkpoint.crash_points import CRASH_PHASES, CrashPoints
+from handlers.checkpoint.files import CheckpointError, SingleFile
+from handlers.checkpoint.formats import read_checkpoint
+from handlers.checkpoint.sharded import ShardedFolder
 from recipes.runner.training.launch import exit_process
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 WORLD_SIZE = 2
 STEPS_PER_EPOCH = 4
 
@@ -281,7 +282,7 @@ def test_checkpoints_of_the_other_format_are_an_error_not_a_fresh_start(
 
 def _run_until_killed(dirname: Path, phase: str) -> None:
     script = (
-        "import sys; sys.path.insert(0, 'tests/handlers'); import test_sharded_checkpoint as t; "
+        "import sys; sys.path.insert(0, 'tests/handlers/checkpoint'); import test_sharded as t; "
         f"run = t._build(t.Path({str(dirname)!r}), shard=False, keep_last=1); "
         "t._train(run, t._batches(0), 3)"
     )

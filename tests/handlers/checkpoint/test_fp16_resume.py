@@ -13,7 +13,7 @@ from torch import nn
 
 from engine import Trainer, TrainEvents, create_trainer
 from engine.run_state import RngState
-from handlers.checkpoint import Checkpointer
+from handlers.checkpoint.checkpointer import Checkpointer
 
 
 def _batches(n_batches: int, seed: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:

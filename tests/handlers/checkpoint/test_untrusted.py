@@ -24,12 +24,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from handlers.checkpoint import read_checkpoint
-from handlers.checkpoint_files import SingleFile, claimed_position, sidecar_of
-from handlers.crash_points import CrashPoints
-from handlers.dcp_metadata import SafeFileSystemReader, SafeLoadPlanner, read_metadata
-from handlers.sharded_checkpoint import ShardedFolder
-from handlers.untrusted_files import CheckpointError, open_checkpoint_file
+from handlers.checkpoint.crash_points import CrashPoints
+from handlers.checkpoint.dcp_metadata import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+from handlers.checkpoint.files import SingleFile, claimed_position, sidecar_of
+from handlers.checkpoint.formats import read_checkpoint
+from handlers.checkpoint.sharded import ShardedFolder
+from handlers.checkpoint.untrusted import CheckpointError, open_checkpoint_file
 from tests.helpers import (
     BUILD_ON_A_CLASS,
     plant_build_on_a_class,

@@ -14,9 +14,10 @@ import torch
 from ignite.engine import Events
 from torch import nn
 
-import handlers.checkpoint_files as checkpoint_files_module
-from handlers.checkpoint import Checkpointer, CheckpointError
-from tests.handlers.checkpoint_run import (
+import handlers.checkpoint.files as checkpoint_files_module
+from handlers.checkpoint.checkpointer import Checkpointer
+from handlers.checkpoint.files import CheckpointError
+from tests.handlers.checkpoint.checkpoint_run import (
     DATA,
     _append_junk,
     _build,
@@ -80,7 +81,7 @@ def test_a_bad_newest_checkpoint_is_named_and_the_previous_one_loaded(tmp_path, 
     corrupt(tmp_path / "step-00000003.pt")  # last.pt is the same file (a hard link)
 
     resumed = _build(tmp_path, seed=5)
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint.checkpointer"):
         info = resumed.ckpt.resume("auto")
 
     assert info.path.name == "step-00000002.pt"

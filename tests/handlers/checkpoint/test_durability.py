@@ -20,13 +20,14 @@ import torch
 from ignite.engine import Engine
 from torch import nn
 
-import handlers.checkpoint_files as checkpoint_files
+import handlers.checkpoint.files as checkpoint_files
 from engine import create_trainer
 from handlers.atomic_write import current_umask, write_atomically
-from handlers.checkpoint import Checkpointer, read_checkpoint
+from handlers.checkpoint.checkpointer import Checkpointer
+from handlers.checkpoint.formats import read_checkpoint
 from handlers.goal import Goal
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 FOLDER = "<folder>"  # how the recorded calls name the checkpoint folder itself
 
 
@@ -162,8 +163,8 @@ def overwrite_step_2_and_crash_mid_write(dirname: str) -> None:
 
 
 def test_a_crash_while_overwriting_the_name_last_points_at_leaves_last_verifying(tmp_path):
-    script = ("import sys; sys.path.insert(0, 'tests/handlers'); "
-              "import test_checkpoint_durability as t; "
+    script = ("import sys; sys.path.insert(0, 'tests/handlers/checkpoint'); "
+              "import test_durability as t; "
               f"t.overwrite_step_2_and_crash_mid_write({str(tmp_path)!r})")
     env = {**os.environ, "CKPT_TEST_CRASH_PHASE": "mid_write:3"}
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, timeout=300)

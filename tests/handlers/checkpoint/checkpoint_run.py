@@ -18,9 +18,11 @@ from torch import nn
 
 from engine import Trainer, TrainEvents, create_trainer
 from engine.run_state import RngState
-from handlers.checkpoint import Checkpointer, CheckpointError, read_checkpoint
+from handlers.checkpoint.checkpointer import Checkpointer
+from handlers.checkpoint.files import CheckpointError
+from handlers.checkpoint.formats import read_checkpoint
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _batches(n_batches: int, seed: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -162,9 +164,10 @@ def _zip_writer_failure(*args, **kwargs):
 
 FILE_SIZE_LIMIT_SCRIPT = """
 import resource, signal, sys
-sys.path.insert(0, "tests/handlers")
+sys.path.insert(0, "tests/handlers/checkpoint")
 import checkpoint_run as t
-from handlers.checkpoint import CheckpointError, read_checkpoint
+from handlers.checkpoint.files import CheckpointError
+from handlers.checkpoint.formats import read_checkpoint
 run = t._build(sys.argv[1])
 t._move_trainer_to(run, 1)
 run.ckpt.save_last(run.trainer)
@@ -181,7 +184,7 @@ print(read_checkpoint(t.Path(sys.argv[1]) / "last.pt")["meta"]["iteration"])
 
 def _run_until_killed(dirname: Path, phase: str) -> None:
     script = (
-        "import sys; sys.path.insert(0, 'tests/handlers'); import checkpoint_run as t; "
+        "import sys; sys.path.insert(0, 'tests/handlers/checkpoint'); import checkpoint_run as t; "
         f"run = t._save_every_step(t._build({str(dirname)!r}, keep_last=1)); "
         "run.trainer.run(t.DATA[:3], max_epochs=1)"
     )

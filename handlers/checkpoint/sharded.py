@@ -1,6 +1,6 @@
 """Sharded checkpoints of a ``fully_shard`` (FSDP2) run: a folder per checkpoint, each process
 writing its own shards through ``torch.distributed.checkpoint`` (DCP), with the promises of
-the single-file format (``handlers.checkpoint_files``).
+the single-file format (``handlers.checkpoint.files``).
 
 Layout of a checkpoint folder's sharded checkpoints::
 
@@ -26,7 +26,7 @@ checksum of every file, atomically: from then on the checkpoint is committed. On
 sidecar's hard link) and evicted folders deleted. A crash at any instant leaves the previous
 checkpoint whole: a folder without its sidecar, or whose files do not match it (a missing or
 truncated shard, a half-switched link), fails verification and the resume takes the previous
-one, as with .pt files. ``handlers.crash_points`` phases map onto these steps.
+one, as with .pt files. ``handlers.checkpoint.crash_points`` phases map onto these steps.
 
 Resuming, each process reads only its own slices (DCP reshards: a checkpoint written by N
 processes loads on M) with no collective, so rank 0 may pick and load the checkpoint before
@@ -63,7 +63,15 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
 from handlers.atomic_write import fsync_dir, os_error_behind, write_atomically
-from handlers.checkpoint_files import (
+from handlers.checkpoint.crash_points import CrashPoints
+from handlers.checkpoint.dcp_metadata import (
+    SafeFileSystemReader,
+    SafeGatherPlanner,
+    SafeLoadPlanner,
+    check_entries,
+    read_metadata,
+)
+from handlers.checkpoint.files import (
     CheckpointError,
     check_run_id,
     load_payload,
@@ -73,15 +81,7 @@ from handlers.checkpoint_files import (
     sidecar_of,
     unloadable_entry,
 )
-from handlers.crash_points import CrashPoints
-from handlers.dcp_metadata import (
-    SafeFileSystemReader,
-    SafeGatherPlanner,
-    SafeLoadPlanner,
-    check_entries,
-    read_metadata,
-)
-from handlers.untrusted_files import (
+from handlers.checkpoint.untrusted import (
     check_stored_zip,
     first_line,
     is_count,

@@ -14,10 +14,11 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 
-import handlers.checkpoint_files as checkpoint_files_module
-from handlers.checkpoint import CheckpointError, read_checkpoint
+import handlers.checkpoint.files as checkpoint_files_module
+from handlers.checkpoint.files import CheckpointError
+from handlers.checkpoint.formats import read_checkpoint
 from handlers.goal import Goal
-from tests.handlers.checkpoint_run import (
+from tests.handlers.checkpoint.checkpoint_run import (
     DATA,
     InterruptAt,
     Interrupted,
@@ -66,7 +67,7 @@ def test_file_mode_0600_is_applied(tmp_path):
 
 def test_best_keeps_the_top_k_and_best_pt_is_the_best(tmp_path, caplog):
     run = _build(tmp_path, keep_best=2, best=Goal("acc", "max"))
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint.checkpointer"):
         for step, score in enumerate([0.1, 0.5, 0.3, float("nan"), 0.7, 0.2, 0.5], start=1):
             _evaluate(run, step, score)
 
@@ -200,7 +201,7 @@ def test_a_checkpoint_from_another_folder_restores_the_run_but_not_its_retention
 def test_a_checkpoint_entry_this_run_does_not_restore_is_named_in_a_warning(tmp_path, caplog):
     run = _save_every_step(_build(tmp_path, with_rng=True))
     run.trainer.run(DATA[:1], max_epochs=1)
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint.checkpointer"):
         _build(tmp_path, seed=5, with_rng=False).ckpt.resume("auto")
     assert "also holds ['rng'], which this run does not restore" in caplog.text
 
@@ -330,7 +331,7 @@ def test_a_resume_after_a_finished_eviction_leaves_nothing_pending(tmp_path, cap
     assert read_checkpoint(tmp_path / "last.pt")["checkpointer"]["evict"] == ["step-00000001.pt"]
 
     resumed = _build(tmp_path, seed=5, keep_last=1)
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint.checkpointer"):
         resumed.ckpt.resume("auto")
     assert resumed.ckpt.state_dict()["evict"] == []
     assert "could not delete" not in caplog.text
@@ -352,7 +353,7 @@ def test_an_evicted_checkpoint_that_cannot_be_deleted_is_retried_at_the_next_sav
 
     monkeypatch.setattr(os, "unlink", unlink_refusing_step_1_once)
     _move_trainer_to(run, 2)
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint.checkpointer"):
         run.ckpt.save_last(run.trainer)
     assert refused and "could not delete evicted checkpoint step-00000001.pt" in caplog.text
     assert run.ckpt.state_dict()["evict"] == ["step-00000001.pt"]
