@@ -1,12 +1,16 @@
 """The modes that train no run: ``--lr-find`` (an LR range test), ``--overfit-batches``
-(can the model memorise a few batches?) and ``--describe`` (the run's wiring)."""
+(can the model memorise a few batches?) and ``--describe`` (the run's wiring: the events of
+its engines and the handlers on each, in firing order, as fastai's ``show_training_loop``
+shows a Learner's, so a reader sees the whole run without reading its code)."""
 
 import itertools
 import math
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from ignite.engine import Events
+from ignite.engine import Engine, Events
 
 from handlers.lr_finder import find_lr, plot_lr_find
 from recipes.runner.api import Recipe
@@ -20,7 +24,6 @@ from recipes.runner.training.launch import launched_by_torchrun
 from recipes.runner.training.lock import RunLock
 from recipes.runner.training.start_checks import Started, check_recipe_keys
 from recipes.runner.training.strategy import check_strategy
-from recipes.runner.training.wiring import wiring_table
 
 LR_FIND_STEPS = 200  # optimizer steps of the LR range test
 OVERFIT_ITERATIONS = 200  # micro-batches of --overfit-batches
@@ -88,3 +91,47 @@ def describe_run(recipe: Recipe, config: RunConfig) -> str:
         text = wiring_table({"trainer": trainer, "evaluator": evaluator})
         handlers.logger.close()  # before its folder goes
     return text
+
+
+# The order events fire in within a run. A step's OPTIMIZER_STEP (or STEP_SKIPPED) settles
+# at the next micro-batch's GET_BATCH_STARTED (or at the epoch's end), after its
+# ITERATION_COMPLETED: the step never waits on the device.
+FIRING_ORDER = ("STARTED", "EPOCH_STARTED", "GET_BATCH_STARTED", "OPTIMIZER_STEP",
+                "STEP_SKIPPED", "GET_BATCH_COMPLETED", "ITERATION_STARTED",
+                "ITERATION_COMPLETED", "EPOCH_COMPLETED", "COMPLETED", "TERMINATE",
+                "TERMINATE_SINGLE_EPOCH", "INTERRUPT", "EXCEPTION_RAISED")
+
+
+def handler_name(handler: Any) -> str:
+    """A readable name: ``Class.method`` for bound methods, the class of a callable object,
+    the function's qualified name otherwise; event filters are seen through."""
+    parent = getattr(handler, "_parent", None)  # Ignite wraps filtered handlers
+    if parent is not None:
+        return handler_name(parent()) + " (filtered)"
+    owner = getattr(handler, "__self__", None)
+    if owner is not None:
+        return f"{type(owner).__name__}.{handler.__name__}"
+    if hasattr(handler, "__qualname__"):
+        return handler.__qualname__.replace(".<locals>", "")
+    wrapped = getattr(handler, "__wrapped__", None)  # a callable object around a function
+    if wrapped is not None:
+        return f"{type(handler).__name__}({handler_name(wrapped)})"
+    return type(handler).__name__
+
+
+def _firing_rank(event: Any) -> int:
+    name = getattr(event, "name", str(event))
+    return FIRING_ORDER.index(name) if name in FIRING_ORDER else len(FIRING_ORDER)
+
+
+def wiring_table(engines: Mapping[str, Engine]) -> str:
+    """Each engine's events in firing order, each with its handlers in the order they run."""
+    lines = []
+    for engine_name, engine in engines.items():
+        lines.append(f"{engine_name}:")
+        for event in sorted(engine._event_handlers, key=_firing_rank):  # a stable sort
+            handlers = engine._event_handlers[event]
+            if handlers:
+                lines.append(f"  {getattr(event, 'name', event)}")
+                lines += [f"    {handler_name(handler)}" for handler, _, _ in handlers]
+    return "\n".join(lines)

@@ -1,14 +1,19 @@
 """The end of a run, on rank 0: the closing lines, ``summary.json`` (with the environment
-record) and the training curves."""
+record) and the training curves (``curves.png``)."""
 
+from pathlib import Path
 from typing import Any
 
+# A Figure of its own, not pyplot: no backend or display to pick (servers, CI), no global
+# state to close, and a run in a sweep's process leaves nothing behind.
+from matplotlib.figure import Figure
+
 from engine import Trainer
+from handlers.history import RunHistory
 from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ExitCode
 from recipes.runner.config.registry import recipe_ref
 from recipes.runner.console import warn
-from recipes.runner.training.curves import plot_curves
 from recipes.runner.training.folder import write_json_atomic
 from recipes.runner.training.report import print_closing
 from recipes.runner.training.standard_handlers import StandardHandlers
@@ -51,3 +56,30 @@ def requested_stop(handlers: StandardHandlers) -> str | None:
     it again."""
     return next((status for handler in handlers.extra.values()
                  if (status := getattr(handler, "stop_status", None))), None)
+
+
+def plot_curves(history: RunHistory, path: Path, title: str) -> None:
+    """Panels on the optimizer-step axis: loss (train, and validation when the recipe
+    reports a ``loss``), each other validation metric of ``history.modes``, learning rate."""
+    train, val = history.train, history.val
+    others = [name for name in history.modes if name != "loss"]
+    fig = Figure(figsize=(5 * (2 + len(others)), 4))
+    axes = fig.subplots(1, 2 + len(others))
+    loss_ax, lr_ax = axes[0], axes[-1]
+    loss_ax.plot(train["step"], train["loss"], label="train (interval mean)")
+    if "loss" in val:
+        loss_ax.plot(val["step"], val["loss"], "o-", label="validation")
+    loss_ax.set(title="loss", xlabel="optimizer step", yscale="log")
+    loss_ax.legend()
+    for name, ax in zip(others, axes[1:-1], strict=True):
+        if name in val:
+            ax.plot(val["step"], val[name], "o-")
+        better = "higher" if history.modes[name] == "max" else "lower"
+        ax.set(title=f"validation {name} ({better} is better)", xlabel="optimizer step")
+    lr_ax.plot(train["step"], train["lr"])
+    lr_ax.set(title="learning rate", xlabel="optimizer step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
