@@ -32,6 +32,7 @@ from benchmarks.sections import (
     s5_gpu,
     s6_image_folder,
     s7_sweep,
+    s8_async_checkpoint,
 )
 from benchmarks.tools import op_count
 from recipes.cifar.recipe import Config
@@ -160,6 +161,10 @@ def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[
     log("7/7 sweep: what it adds to its trials")
     sweep_section = s7_sweep.render(s7_sweep.measure(2, 1, log) if quick
                                     else s7_sweep.measure(4, 2, log))
+    log("8/8 checkpoints written behind training")
+    async_section = s8_async_checkpoint.render(
+        s8_async_checkpoint.measure(s8_async_checkpoint.QUICK_SHAPES if quick
+                                    else s8_async_checkpoint.SHAPES, log), load_average())
     cifar_note = ("Synthetic CIFAR-shaped images (`make_synthetic`), cropped, flipped and "
                   "normalised by `TrainBatches` before timing, held in memory.")
     sections = [
@@ -170,6 +175,7 @@ def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[
         gpu_report,
         images_section,
         sweep_section,
+        async_section,
     ]
     failures = s1_overhead.parity_failures(tiny) + s1_overhead.parity_failures(cifar)
     return sections, failures

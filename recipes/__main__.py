@@ -14,7 +14,6 @@ one ``error:`` line and exit code 2, before anything is written to disk. Every e
 ``recipes.runner.config.command_line.ExitCode``, tabled in docs/reference.md (#exit-codes).
 """
 
-import logging
 import os
 import shutil
 import sys
@@ -51,8 +50,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     name, rest = args[0], args[1:]
-    # Ignite logs every exception that leaves a run; the ones we handle get their own line.
-    logging.getLogger("ignite.engine.engine").setLevel(logging.CRITICAL)
     rank = os.environ.get("RANK", "0")  # a torchrun worker's; the spawned ones set their own
     speak_for_libraries(int(rank) if rank.isdigit() else 0)
     # The command line is checked before torch loads (seconds): a mistake is answered at once.

@@ -1,5 +1,6 @@
 """What several test modules share: each recipe's tiny command line, a run folder's digests and
-copy, tiny text corpora, the one-line error check, and the export tests' evaluator outputs.
+copy, tiny text corpora, the one-line error check, the export tests' evaluator outputs, and the
+bound within which two runs whose reductions sum in another order agree.
 
 Test modules import from here, never from one another (tests/test_layering.py checks it);
 fixtures live in the conftest.py files."""
@@ -251,3 +252,40 @@ def plant_build_on_a_class(folder: Path) -> None:
 def _replace(path: Path, data: bytes) -> None:
     path.unlink()  # never write through a hard link into another checkpoint
     path.write_bytes(data)
+
+
+# --- runs of several processes --------------------------------------------------------------
+
+
+# Muon's Newton-Schulz iteration: five steps of a quintic whose slope at 0 is 3.4445.
+NEWTON_SCHULZ_GAIN = 3.4445 ** 5
+
+
+def assert_within_reduction_order(got: torch.Tensor, expected: torch.Tensor, steps: int):
+    """DDP all-reduces gradients; FSDP reduce-scatters them and sums the clipping norm's
+    squares shard by shard: the same sums in another order, so each step's gradients differ in
+    their last bit (eps = 2**-23 of their size; which bits depends on the CPU's vector width).
+    The optimizers here magnify a relative change by at most Muon's Newton-Schulz gain along a
+    gradient's smallest singular directions (a**5, about 487; AdamW's update is scale-free),
+    and every step adds its own: ``steps * gain * eps`` of the tensor's largest value. A wrong
+    reduction changes the update itself, not its last bits. The same holds for a group whose
+    processes use another number of threads, or sit on other machines."""
+    bound = steps * NEWTON_SCHULZ_GAIN * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(got, expected, rtol=0,
+                               atol=bound * expected.abs().max().item())
+
+
+def assert_bit_identical(actual, expected, where: str) -> None:
+    """Tensors bit-identical, everything else equal, through nested dicts and lists."""
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected) and actual.dtype == expected.dtype, where
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_bit_identical(actual[key], expected[key], f"{where}/{key}")
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), where
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_bit_identical(a, e, f"{where}/{index}")
+    else:
+        assert actual == expected, where

@@ -8,6 +8,12 @@ deletes what retention evicts: a crash at any instant leaves the previous checkp
 sidecar untouched, and a half-written or half-switched pair fails verification, so the resume
 falls back to the previous checkpoint. ``crash_points`` can kill a save at each of those
 phases (test-only).
+
+Written behind training (``asynchronous=True``, ``--async-checkpoint``), a save keeps that
+order on a background thread (``background``): the step waits only for a copy of the state,
+the write, its fsyncs, the sidecar, the link switch and the eviction follow behind it, and
+the next save (or the run's end) first waits for them. A crash before the sidecar leaves the
+previous checkpoint as ``last``, as it does a synchronous save.
 """
 
 import logging
@@ -17,12 +23,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ignite.engine import Engine, Events
 
 from engine import Trainer, TrainEvents
 from handlers.arguments import check_int
+from handlers.checkpoint.background import Background
 from handlers.checkpoint.crash_points import CrashPoints
 from handlers.checkpoint.files import (
     CHECKPOINT_NAME,
@@ -40,6 +47,16 @@ from handlers.goal import Goal
 
 logger = logging.getLogger(__name__)
 SaveHandler = Callable[[Engine], None]
+
+
+class Committed(NamedTuple):
+    """What a save, once committed, makes the checkpointer's own state."""
+
+    history: list[str]
+    best: list[dict[str, Any]]
+    evict: list[str]
+    last_iteration: int
+    best_iteration: int
 
 
 @dataclass(frozen=True)
@@ -78,6 +95,16 @@ class Checkpointer:
     the previous checkpoint intact and no temp file: training stops rather than run on
     without checkpoints.
 
+    With ``asynchronous`` each save returns once the state is copied (into CPU memory; on the
+    CPU, a copy of the tensors, which the next steps may then change) and is written and
+    committed on a background thread; one save is in flight at a time: a new save first waits
+    for the previous one to be committed, and ``wait()`` waits for it (``attach`` registers
+    ``wait_handler``, the wrapped ``wait``, at the trainer's ``Events.COMPLETED``, so a run,
+    stopped or not, ends with its last save committed). A disk error in the background is
+    raised by the next save or ``wait()``: the same ``CheckpointError`` a synchronous save
+    raises, the previous checkpoint still ``last``. ``checkpointer`` state (``state_dict()``)
+    counts a save once it is committed.
+
     Example::
 
         ckpt = Checkpointer("runs/cifar/r1/checkpoints", {"model": model, "optimizer": opt,
@@ -101,6 +128,7 @@ class Checkpointer:
         wrap_save: Callable[[SaveHandler], SaveHandler] | None = None,
         file_mode: int = 0o640,
         checkpoint_format: CheckpointFormat | None = None,
+        asynchronous: bool = False,
     ) -> None:
         _check_to_save(to_save)
         if not isinstance(run_id, str) or not run_id:
@@ -121,6 +149,8 @@ class Checkpointer:
         ):
             raise ValueError(f"file_mode must be a permission such as 0o640 or 0o600 that lets "
                              f"the owner read and write, got {file_mode!r}")
+        if not isinstance(asynchronous, bool):
+            raise ValueError(f"asynchronous must be True or False, got {asynchronous!r}")
         self.dirname = Path(dirname)
         self.dirname.mkdir(parents=True, exist_ok=True)
         self.to_save, self.trainer = dict(to_save), to_save["trainer"]
@@ -130,8 +160,12 @@ class Checkpointer:
         self.metric, self.mode = (best.metric, best.mode) if best else (None, None)
         wrap = wrap_save or (lambda save: save)
         self.last_handler, self.best_handler = wrap(self.save_last), wrap(self.save_best)
+        self.wait_handler = wrap(self._wait_at_end)
         self.file_mode = file_mode
         self.format = checkpoint_format or SingleFile()
+        self.asynchronous = asynchronous
+        self._behind = Background()  # the save being written behind training
+        self._saving: tuple[int, int] | None = None  # its (last, best) iterations once committed
         self._crash = CrashPoints()  # test-only fault injection, off unless its variable is set
         self._history: list[str] = []  # oldest first
         self._best: list[dict[str, Any]] = []  # {"file", "score"}, best first
@@ -147,6 +181,8 @@ class Checkpointer:
         if self.save_every is not None:
             trainer.add_event_handler(TrainEvents.OPTIMIZER_STEP, self._save_on_cadence)
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self.last_handler)
+        if self.asynchronous:
+            trainer.add_event_handler(Events.COMPLETED, self.wait_handler)
 
     def _save_on_cadence(self, engine: Engine) -> None:
         """A plain test rather than an Ignite event filter, whose wrapper costs about three
@@ -161,8 +197,9 @@ class Checkpointer:
         (``.dcp`` folders in the sharded format)."""
         if engine is not self.trainer:
             raise ValueError("save_last is a trainer handler; attach it to the trainer in to_save")
-        if self.trainer.state.iteration == self._last_iteration:
+        if self._saved_as("last"):
             return  # e.g. OPTIMIZER_STEP(every=N) and EPOCH_COMPLETED at the same iteration
+        self.wait()  # the retention lists below are those of the last committed save
         name = f"step-{self.trainer.state.optimizer_step:08d}{self.format.suffix}"
         history = [kept for kept in self._history if kept != name] + [name]
         self._commit(name, "last", history[-self.keep_last:], self._best,
@@ -175,11 +212,12 @@ class Checkpointer:
         if self.best is None:
             raise ValueError("save_best needs Checkpointer(best=Goal(...)) to rank checkpoints")
         score = self.best.score(evaluator)  # once per evaluation
-        if self.trainer.state.iteration == self._best_iteration:
+        if self._saved_as("best"):
             return
         if not math.isfinite(score):
             logger.warning("%s=%s is not finite: not a best checkpoint", self.metric, score)
             return
+        self.wait()  # the ranking below is that of the last committed save
         name = f"best-step-{self.trainer.state.optimizer_step:08d}{self.format.suffix}"
         ranked = [entry for entry in self._best if entry["file"] != name]
         ranked.append({"file": name, "score": score})
@@ -190,6 +228,37 @@ class Checkpointer:
             return
         self._commit(name, "best", self._history, kept,
                      evicted=[entry["file"] for entry in ranked[self.keep_best:]], score=score)
+
+    def wait(self) -> None:
+        """Wait for the save being written behind training (``asynchronous``) to be committed;
+        raise its ``CheckpointError`` if it failed (or, for a format whose saves every process
+        makes, a ``CheckpointError`` saying that another process's failed). At once when none
+        is in flight; every process calls it at the same points, as it does the saves."""
+        if not self.asynchronous:
+            return
+        error = None
+        try:
+            self._behind.wait()
+        except CheckpointError as raised:
+            error = raised
+        finally:
+            self._saving = None
+        if self.format.failed_anywhere(error is not None) and error is None:
+            error = CheckpointError(self.dirname, "another process could not save it")
+        if error is not None:
+            raise error
+
+    def _wait_at_end(self, engine: Engine) -> None:
+        """``wait()`` as a trainer handler (``wait_handler``, wrapped as the saves are)."""
+        if self._behind.busy:
+            self._crash.reach("final_wait")
+        self.wait()
+
+    def _saved_as(self, kind: str) -> bool:
+        """Whether the trainer's iteration is already saved, or being saved, as ``kind`` (a
+        best checkpoint is the newest too: it also counts as ``last``)."""
+        last, best = self._saving or (self._last_iteration, self._best_iteration)
+        return self.trainer.state.iteration == (last if kind == "last" else best)
 
     def resume(
         self, source: str | os.PathLike = "auto", *, require_same_run: bool = True
@@ -267,11 +336,11 @@ class Checkpointer:
             payload = self.format.snapshot(self.to_save)
         except OSError as err:
             raise CheckpointError(path, f"could not save: {err}") from err
-        bad_tensor = self.format.first_non_finite(payload["model"])
-        if bad_tensor is not None:
-            logger.warning("not saving %s: model tensor %r is not finite (NaN/inf) at iteration %d",
-                           path, bad_tensor, state.iteration)
-            return
+        if not self.asynchronous:  # behind training, the format checks (write_behind)
+            bad_tensor = self.format.first_non_finite(payload["model"])
+            if bad_tensor is not None:
+                _warn_not_finite(path, bad_tensor, state.iteration)
+                return
         best_iteration = state.iteration if kind == "best" else self._best_iteration
         # Deletion happens after the commit: the pending list goes into the checkpoint, so
         # a crash mid-eviction is finished by the next save after resuming from it.
@@ -287,16 +356,42 @@ class Checkpointer:
         if unloadable:
             raise CheckpointError(path, unloadable)
         self._crash.save_started()
+        last, best_link = (self.dirname / link for link in self._link_names)
+        links = [last, *([best_link] if best and best[0]["file"] == name else [])]
+        committed = Committed(history, best, evict, state.iteration, best_iteration)
+        if not self.asynchronous:
+            self._write_and_commit(path, links, committed, lambda: self.format.write(
+                path, payload, meta, file_mode=self.file_mode, crash=self._crash))
+            return
         try:
-            self.format.write(path, payload, meta, file_mode=self.file_mode, crash=self._crash)
-            self._crash.reach("before_link")
-            last, best_link = (self.dirname / link for link in self._link_names)
-            self.format.link(path, [last, *([best_link] if best and best[0]["file"] == name
-                                              else [])])
+            write = self.format.write_behind(path, payload, meta, file_mode=self.file_mode,
+                                             crash=self._crash)
         except OSError as err:
             raise CheckpointError(path, f"could not save: {err}") from err
-        self._history, self._best, self._evict = history, best, evict
-        self._last_iteration, self._best_iteration = state.iteration, best_iteration
+        self._crash.reach("after_copy")
+        self._saving = (state.iteration, best_iteration)
+        self._behind.start(lambda: self._write_and_commit(path, links, committed, write))
+
+    def _write_and_commit(self, path: Path, links: list[Path], committed: Committed,
+                          write: Callable[[], str | None]) -> None:
+        """``write()`` the checkpoint (file or folder, then its sidecar), switch ``links`` to
+        it, take on ``committed`` (the retention lists and iterations it holds) and delete
+        what retention evicted; on the background thread when ``asynchronous``, where
+        ``write()`` returns the name of a model tensor that is not finite, having written
+        nothing."""
+        if self.asynchronous:
+            self._crash.reach("background_start")
+        try:
+            bad_tensor = write()
+            if bad_tensor is not None:
+                _warn_not_finite(path, bad_tensor, committed.last_iteration)
+                return
+            self._crash.reach("before_link")
+            self.format.link(path, links)
+        except OSError as err:
+            raise CheckpointError(path, f"could not save: {err}") from err
+        (self._history, self._best, self._evict, self._last_iteration,
+         self._best_iteration) = committed
         self._delete_evicted()
 
     @property
@@ -357,6 +452,11 @@ class Checkpointer:
         logger.info("resumed from %s (epoch %d, iteration %d, step %d)", path,
                     meta["epoch"], meta["iteration"], meta["optimizer_step"])
         return ResumeInfo(path, meta, rejected)
+
+
+def _warn_not_finite(path: Path, tensor: str, iteration: int) -> None:
+    logger.warning("not saving %s: model tensor %r is not finite (NaN/inf) at iteration %d",
+                   path, tensor, iteration)
 
 
 def _check_to_save(to_save: Mapping[str, Any]) -> None:

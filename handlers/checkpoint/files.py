@@ -27,6 +27,7 @@ import os
 import re
 import secrets
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from handlers.atomic_write import fsync_dir, os_error_behind, write_atomically
+from handlers.checkpoint.background import StagedCopies
 from handlers.checkpoint.crash_points import CrashPoints
 from handlers.checkpoint.untrusted import (
     SIDECAR_MAX_BYTES,
@@ -144,6 +146,9 @@ class SingleFile:
 
     suffix = ".pt"
 
+    def __init__(self) -> None:
+        self._staged = StagedCopies()  # the copies written behind training
+
     def snapshot(self, to_save: dict[str, Any]) -> dict[str, Any]:
         """Every object's state dict: what the checkpoint will hold."""
         return {key: obj.state_dict() for key, obj in to_save.items()}
@@ -165,6 +170,25 @@ class SingleFile:
         write_atomically(sidecar_of(path),
                          lambda file: file.write(json.dumps(sidecar, indent=1).encode()),
                          file_mode=file_mode)
+
+    def write_behind(self, path: Path, payload: dict[str, Any], meta: dict[str, Any], *,
+                     file_mode: int, crash: CrashPoints) -> Callable[[], str | None]:
+        """Copy ``payload`` into CPU memory (``StagedCopies``: the step waits for this only)
+        and return the rest, for another thread: the check that the copied model is finite
+        (on the CPU it reads the whole model, so it runs behind training too), then ``write``
+        of the copy. The rest returns the first non-finite tensor's name, having written
+        nothing, or None."""
+        copied = self._staged.copy(payload)
+
+        def check_and_write() -> str | None:
+            bad_tensor = first_non_finite(copied["model"])
+            if bad_tensor is None:
+                self.write(path, copied, meta, file_mode=file_mode, crash=crash)
+            return bad_tensor
+        return check_and_write
+
+    def failed_anywhere(self, failed: bool) -> bool:
+        return failed  # one process writes each file: its outcome is the only one
 
     def read(self, path: Path, *, expected_run_id: str | None,
              required_keys: tuple[str, ...]) -> dict[str, Any]:

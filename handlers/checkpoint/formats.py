@@ -7,6 +7,7 @@ format is imported only when it is used: it pulls in ``torch.distributed.checkpo
 """
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -58,6 +59,12 @@ class CheckpointFormat(Protocol):
     def unloadable(self, payload: dict[str, Any]) -> str | None: ...
     def write(self, path: Path, payload: dict[str, Any], meta: dict[str, Any], *,
               file_mode: int, crash: CrashPoints) -> None: ...
+    # ``write`` behind training: copy what it writes now and return the rest, for another
+    # thread, which returns the name of a model tensor that is not finite (nothing written).
+    def write_behind(self, path: Path, payload: dict[str, Any], meta: dict[str, Any], *,
+                     file_mode: int, crash: CrashPoints) -> Callable[[], str | None]: ...
+    # Whether a save written behind training failed on any process, given this one's outcome.
+    def failed_anywhere(self, failed: bool) -> bool: ...
     def read(self, path: Path, *, expected_run_id: str | None,
              required_keys: tuple[str, ...]) -> dict[str, Any]: ...
     def restore(self, path: Path, payload: dict[str, Any], targets: dict[str, Any]) -> None: ...

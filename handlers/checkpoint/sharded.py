@@ -27,6 +27,9 @@ sidecar's hard link) and evicted folders deleted. A crash at any instant leaves 
 checkpoint whole: a folder without its sidecar, or whose files do not match it (a missing or
 truncated shard, a half-switched link), fails verification and the resume takes the previous
 one, as with .pt files. ``handlers.checkpoint.crash_points`` phases map onto these steps.
+Written behind training (``ShardedFolder.write_behind``), the shards go through DCP's
+``async_save`` on a gloo process group of the saves' own, and rank 0 does the rest of the
+commit on the ``Checkpointer``'s writer thread once every process's shards are written.
 
 Resuming, each process reads only its own slices (DCP reshards: a checkpoint written by N
 processes loads on M) with no collective, so rank 0 may pick and load the checkpoint before
@@ -44,7 +47,7 @@ import secrets
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -63,6 +66,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
 from handlers.atomic_write import fsync_dir, os_error_behind, write_atomically
+from handlers.checkpoint.background import StagedCopies
 from handlers.checkpoint.crash_points import CrashPoints
 from handlers.checkpoint.dcp_metadata import (
     SafeFileSystemReader,
@@ -111,6 +115,10 @@ class ShardedFolder:
     0's, and the other processes' calls return at once."""
 
     suffix = ".dcp"
+
+    def __init__(self) -> None:
+        self._group: dist.ProcessGroup | None = None  # see _behind_group
+        self._staged = StagedCopies()  # rank 0's state.pt entries written behind training
 
     def snapshot(self, to_save: dict[str, Any]) -> dict[str, Any]:
         """The model's and optimizer's sharded state dicts (this process's slices, as
@@ -162,47 +170,61 @@ class ShardedFolder:
         raised on every process."""
         crash.reach("before_temp")
         temp = _agree_on_temp_folder(path)
-        try:
-            self._write_into(temp, path, payload, meta, file_mode=file_mode, crash=crash)
-        except BaseException:
-            if _rank() == 0:  # DCP raises only once every process has stopped writing
-                shutil.rmtree(temp, ignore_errors=True)
-            raise
+        sharded, rest = _split(payload)
+        with _removed_on_failure(temp), _dcp_failure_as_os_error(), _quiet_about_one_process():
+            dcp.save(sharded, storage_writer=_shard_writer(temp), planner=_shard_planner())
+        with _removed_on_failure(temp):
+            _commit_folder(temp, path, rest, meta, sorted(sharded), file_mode=file_mode,
+                           crash=crash)
 
-    def _write_into(self, temp: Path, path: Path, payload: dict[str, Any], meta: dict[str, Any],
-                    *, file_mode: int, crash: CrashPoints) -> None:
-        sharded = {key: payload[key] for key in SHARDED_KEYS if key in payload}
-        try:
-            with _quiet_about_one_process():
-                # A tensor every process holds whole (a BatchNorm buffer, which FSDP does not
-                # shard and each process keeps its own of) is written from rank 0, as
-                # state.pt is; DCP would otherwise spread such writes over the processes.
-                dcp.save(sharded, storage_writer=dcp.FileSystemWriter(temp, sync_files=True),
-                         planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
-        except CheckpointException as err:  # DCP gathers every process's failure into it
-            raise _disk_error(err) or OSError(_first_line(err)) from err
-        if _rank() != 0:
-            return
-        crash.reach("mid_write")  # the shards are written, state.pt is not
-        rest = {key: value for key, value in payload.items() if key not in SHARDED_KEYS}
-        _write_durably(temp / STATE_FILE, rest)
-        files = {}
-        for file in sorted(temp.iterdir()):
-            os.chmod(file, file_mode)
-            files[file.name] = {"sha256": sha256_of(file), "size_bytes": file.stat().st_size}
-        fsync_dir(temp)
-        crash.reach("before_rename")
-        _replace_folder(temp, path)
-        crash.reach("before_dir_fsync")
-        fsync_dir(path.parent)
-        crash.reach("before_sidecar")
-        digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-        sidecar = {**meta, "file": path.name, "size_bytes": sum(
-            facts["size_bytes"] for facts in files.values()), "sha256": digest,
-            "files": files, "sharded": sorted(sharded), "world_size": _world_size()}
-        write_atomically(sidecar_of(path),
-                         lambda file: file.write(json.dumps(sidecar, indent=1).encode()),
-                         file_mode=file_mode)
+    def write_behind(self, path: Path, payload: dict[str, Any], meta: dict[str, Any], *,
+                     file_mode: int, crash: CrashPoints) -> Callable[[], str | None]:
+        """``write`` behind training. On the training thread: the check that the model is
+        finite (a collective: every process at once), then each process's shards copied
+        into CPU memory and handed to DCP's ``async_save``, which writes them on its own
+        thread over a process group of its own (``_behind_group``), and rank 0's other
+        entries copied (``StagedCopies``). DCP's copy goes into new memory at every save: its
+        writer, made per folder, keeps no buffers between saves. The returned rest, for
+        another thread, waits for the shards and commits the folder as ``write`` does; it
+        returns the first non-finite tensor's name, having written nothing, or None."""
+        bad_tensor = self.first_non_finite(payload["model"])
+        if bad_tensor is not None:
+            return lambda: bad_tensor
+        crash.reach("before_temp")
+        temp = _agree_on_temp_folder(path)
+        sharded, rest = _split(payload)
+        with _removed_on_failure(temp):
+            rest = self._staged.copy(rest) if _rank() == 0 else {}
+            shards = dcp.async_save(sharded, storage_writer=_shard_writer(temp),
+                                    planner=_shard_planner(), process_group=self._behind_group())
+
+        def finish() -> None:
+            with _removed_on_failure(temp):
+                with _dcp_failure_as_os_error():
+                    shards.result()
+                _commit_folder(temp, path, rest, meta, sorted(sharded), file_mode=file_mode,
+                               crash=crash)
+        return finish
+
+    def failed_anywhere(self, failed: bool) -> bool:
+        """Whether a save written behind training failed on any process: one all-reduce on
+        its group, which every process makes after waiting for its part (rank 0's state.pt,
+        sidecar and links may fail where the others' shards did not)."""
+        if self._group is None:
+            return failed
+        flag = torch.tensor([int(failed)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+    def _behind_group(self) -> dist.ProcessGroup | None:
+        """The process group of the saves written behind training, made at the first one
+        (every process reaches it together): gloo, which DCP's ``async_save`` needs, and one
+        of their own, as their collectives run on DCP's thread while training's run on the
+        default group: two threads issuing collectives on one group may pair them
+        differently on each process. None without a process group."""
+        if dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
 
     def read(self, path: Path, *, expected_run_id: str | None,
              required_keys: tuple[str, ...]) -> dict[str, Any]:
@@ -409,6 +431,72 @@ def _gather(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def _split(payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The entries DCP writes as shards, and those ``state.pt`` holds."""
+    return ({key: value for key, value in payload.items() if key in SHARDED_KEYS},
+            {key: value for key, value in payload.items() if key not in SHARDED_KEYS})
+
+
+def _shard_writer(temp: Path) -> dcp.FileSystemWriter:
+    return dcp.FileSystemWriter(temp, sync_files=True)  # fsyncs every file it writes
+
+
+def _shard_planner() -> DefaultSavePlanner:
+    """A tensor every process holds whole (a BatchNorm buffer, which FSDP does not shard and
+    each process keeps its own of) is written from rank 0, as state.pt is; DCP would
+    otherwise spread such writes over the processes."""
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+
+
+def _commit_folder(temp: Path, path: Path, rest: dict[str, Any], meta: dict[str, Any],
+                   sharded: list[str], *, file_mode: int, crash: CrashPoints) -> None:
+    """Rank 0's part of a save once every process's shards are in ``temp``: ``state.pt``,
+    the rename to ``path`` and the sidecar (module docstring); the others return at once."""
+    if _rank() != 0:
+        return
+    crash.reach("mid_write")  # the shards are written, state.pt is not
+    _write_durably(temp / STATE_FILE, rest)
+    files = {}
+    for file in sorted(temp.iterdir()):
+        os.chmod(file, file_mode)
+        files[file.name] = {"sha256": sha256_of(file), "size_bytes": file.stat().st_size}
+    fsync_dir(temp)
+    crash.reach("before_rename")
+    _replace_folder(temp, path)
+    crash.reach("before_dir_fsync")
+    fsync_dir(path.parent)
+    crash.reach("before_sidecar")
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    sidecar = {**meta, "file": path.name, "size_bytes": sum(
+        facts["size_bytes"] for facts in files.values()), "sha256": digest,
+        "files": files, "sharded": sharded, "world_size": _world_size()}
+    write_atomically(sidecar_of(path),
+                     lambda file: file.write(json.dumps(sidecar, indent=1).encode()),
+                     file_mode=file_mode)
+
+
+@contextmanager
+def _removed_on_failure(temp: Path) -> Iterator[None]:
+    """Rank 0 removes the temp folder of a save that failed; DCP raises only once every
+    process has stopped writing into it."""
+    try:
+        yield
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+
+
+@contextmanager
+def _dcp_failure_as_os_error() -> Iterator[None]:
+    """DCP gathers every process's failure into a ``CheckpointException``: raise the disk's
+    ``OSError`` behind it, or one with its first line."""
+    try:
+        yield
+    except CheckpointException as err:
+        raise _disk_error(err) or OSError(_first_line(err)) from err
 
 
 def _agree_on_temp_folder(path: Path) -> Path:

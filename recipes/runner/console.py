@@ -51,7 +51,10 @@ class ConsoleVoice(logging.Handler):
 
 def speak_for_libraries(rank: int = 0) -> None:
     """Install the voice on the libraries' loggers (once a process: again only sets the
-    level): INFO and up on rank 0, errors alone on the other ranks."""
+    level): INFO and up on rank 0, errors alone on the other ranks. Ignite's engine logs
+    every exception that leaves a run; the run layer says the ones it handles in its own
+    line, so that logger is quiet (in every process: a spawned one starts without it)."""
+    logging.getLogger("ignite.engine.engine").setLevel(logging.CRITICAL)
     level = logging.INFO if rank == 0 else logging.ERROR
     for name in LIBRARIES:
         logger = logging.getLogger(name)

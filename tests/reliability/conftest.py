@@ -392,6 +392,20 @@ def fsdp_job(tmp_path_factory) -> SimpleNamespace:
                            run_and_signal=functools.partial(run_and_signal, case, group=True))
 
 
+@pytest.fixture(scope="session")
+def async_job(tmp_path_factory) -> SimpleNamespace:
+    """The charlm job with ``--async-checkpoint true`` (every save written behind training),
+    with its own uninterrupted reference."""
+    base = _charlm_case(tmp_path_factory.mktemp("charlm-async-data"))
+    case = dataclasses.replace(base, args=(*base.args, "--async-checkpoint", "true"))
+    run_dir = tmp_path_factory.mktemp("reference-async") / "run"
+    result = run_recipe(case, run_dir)
+    assert result.returncode == 0, result.stderr
+    print(f"async reference run: {result.seconds:.1f} s")
+    return SimpleNamespace(reference=Reference.of(run_dir),
+                           run_recipe=functools.partial(run_recipe, case))
+
+
 SIGNALS = {"SIGTERM": (signal.SIGTERM, 143), "SIGINT": (signal.SIGINT, 130),
            "SIGUSR1": (signal.SIGUSR1, 138)}
 

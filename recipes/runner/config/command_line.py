@@ -31,6 +31,7 @@ class ExitCode(IntEnum):
     USER_ERROR = 2  # something to change (a key, a file, the data): one line, nothing written
     NON_FINITE = 3  # non-finite gradients or loss spikes that a rollback did not cure
     DISK = 4  # the disk refused a write (the run folder, a checkpoint, a command's output)
+    PEER_LOST = 5  # a process of the group died or stopped answering: one line names it
     INTERRUPTED = 130  # Ctrl-C (SIGINT): the step finished and saved
     PREEMPTED = 138  # SIGUSR1 (a scheduler's notice before it preempts): finished and saved
     BROKEN_PIPE = 141  # the reader of the output went away (e.g. `| head`)

@@ -198,6 +198,13 @@ class RunConfig:
                                               "from the checkpoint's (logged as an override)")
     checkpoint_every: int = checkpoints_key(50, "save 'last' every N optimizer steps (and "
                                             "every epoch)", min=1)
+    async_checkpoint: bool = checkpoints_key(False, "write each checkpoint behind training: "
+                                             "a save holds the step only while the state is "
+                                             "copied into CPU memory (one more copy of it, "
+                                             "kept for the run), the write and commit follow "
+                                             "on a thread, one save at a time (a new save "
+                                             "first waits for the previous one); the run's "
+                                             "end waits for the last")
     keep_last: int = checkpoints_key(3, "history checkpoints to keep", min=1)
     keep_best: int = checkpoints_key(1, "best checkpoints to keep, ranked by the run's metric "
                                      "(top-k; best.pt links the first)", min=1)
@@ -247,6 +254,11 @@ class RunConfig:
                                     "over the processes, block by block)", choices=STRATEGIES)
     backend: str = distributed_key("auto", "process group of several processes: auto (nccl "
                                    "for CUDA, else gloo)", choices=BACKENDS)
+    collective_timeout: int = distributed_key(
+        600, "seconds a process of a group waits in a collective for the others (a gradient "
+        "all-reduce, a checkpoint's save) before it stops with exit 5, naming the peer that "
+        "stopped answering; must cover the longest a process works alone while the others "
+        "wait: rank 0 saving the largest checkpoint, or checking the data at the start", min=1)
 
     tracker: str = tracking_key("none", "also log the config, every scalar, the best checkpoint "
                                 "and curves.png to an experiment tracker (mlflow: pip install "

@@ -31,6 +31,16 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def how_to_continue() -> str:
+    """What continues a torchrun group that has stopped on an error: torchrun itself while it
+    has restarts left, else the same command again."""
+    left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count()
+    if left > 0:
+        return (f"torchrun starts the group again ({left} restart(s) left); where a machine's "
+                "torchrun is gone, run the same torchrun command there again")
+    return "to continue the run, run the same torchrun command again on every machine"
+
+
 def warn_if_store_shared() -> None:
     """Under torchrun, before the group joins: rank 0 of a first start that allows restarts
     warns when they may fail to join. (That a restart resumes ``auto`` is ``plan.py``'s.)"""

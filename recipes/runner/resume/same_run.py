@@ -27,8 +27,10 @@ from recipes.runner.training.folder import resolve_run_dir
 
 # Keys that ask something of this start, or place its output, without changing what is
 # trained: two commands that differ only in these are the same run (a run stopped by
-# --max-steps or --max-time goes on with the same command and a larger budget).
-RUN_REQUESTS = ("resume", "progress", "allow_data_change", "run_dir", "max_steps", "max_time")
+# --max-steps or --max-time goes on with the same command and a larger budget; one whose
+# peer timed out, with a longer --collective-timeout).
+RUN_REQUESTS = ("resume", "progress", "allow_data_change", "run_dir", "max_steps", "max_time",
+                "collective_timeout")
 TIMESTAMP = re.compile(r"(\d{8}-\d{6})(?:-(\d+))?")  # a default run folder; -N on a clash
 
 

@@ -1,6 +1,7 @@
 """A run on several processes: what each process runs (``train_process``, for ``--nproc``'s
 spawned processes and torchrun's alike) and the protocol of a torchrun group, where rank 0
-plans and checks the start and tells every rank the outcome."""
+plans and checks the start and tells every rank the outcome, the run folder's absolute path
+among it."""
 
 import dataclasses
 import json
@@ -39,7 +40,11 @@ def join_group(recipe: Recipe, config: RunConfig, given: set[str], keys_from: st
             else:
                 lock = RunLock(plan.run_dir)
                 ready = setup(recipe, plan, lock)
-                started = json.dumps({"run_dir": str(ready.run_dir), "run_id": ready.run_id,
+                # Absolute: each machine's processes run in a working folder of their own,
+                # where a relative path would name another folder (the shards they write, the
+                # checkpoint rank 0 picks for them to load).
+                started = json.dumps({"run_dir": str(ready.run_dir.absolute()),
+                                      "run_id": ready.run_id,
                                       "data": ready.fingerprint, "init_from": ready.init_from,
                                       "config": dataclasses.asdict(plan.config)})
         except USER_ERRORS as error:

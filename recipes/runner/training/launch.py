@@ -2,9 +2,10 @@
 
 ``python -m recipes cifar --nproc 2`` spawns two processes
 (``idist.Parallel(backend, nproc_per_node=2)``); ``torchrun --nproc-per-node=2 -m recipes
-cifar`` starts them itself, and each one joins their group (``idist.Parallel(backend)``).
-Every process then runs the same training function on its slice of each global batch
-(docs/design.md, "Randomness and exact resume"); only rank 0 writes.
+cifar`` starts them itself, and each one joins their group (``torchrun_group``). Every process
+then runs the same training function on its slice of each global batch (docs/design.md,
+"Randomness and exact resume"); only rank 0 writes. Either way the group's collectives wait
+``--collective-timeout`` seconds for a peer (``recipes.runner.training.peers``).
 
 Rank 0's exit code is the run's (the others return 0 when they finish). A process that
 raises ends the others at once (the spawner or torchrun stops them), and the spawner exits
@@ -17,8 +18,10 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, NoReturn
 
 import ignite.distributed as idist
@@ -31,6 +34,7 @@ from recipes.runner.config.command_line import ConfigError, ExitCode
 from recipes.runner.config.errors import USER_ERRORS
 from recipes.runner.console import warn
 from recipes.runner.training.lock import RunLock
+from recipes.runner.training.peers import unless_peer_lost
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun for each process
 
@@ -113,19 +117,21 @@ def rank_zero_exit_code(exit_code: int) -> int:
     return exit_code if idist.get_rank() == 0 else 0
 
 
-def spawn(fn: Callable[..., int], *args: Any, nproc: int, backend: str,
+def spawn(fn: Callable[..., int], *args: Any, nproc: int, backend: str, collective_timeout: int,
           lock: RunLock | None = None) -> int:
     """Run ``fn(local_rank, *args) -> exit code`` in ``nproc`` new processes forming a
-    ``backend`` group on this machine; return the first non-zero exit code, or 0. Each
-    process holds ``lock`` (the run folder's, held here) from its start until it exits, so
-    the folder stays locked while any of them lives, even if this process is killed."""
+    ``backend`` group on this machine, whose collectives wait ``collective_timeout`` seconds;
+    return the first non-zero exit code, or 0. Each process holds ``lock`` (the run folder's,
+    held here) from its start until it exits, so the folder stays locked while any of them
+    lives, even if this process is killed."""
     # Ctrl-C reaches every process of the terminal's group: the trainers stop and save
     # on their own, and this process keeps waiting to report how they ended.
     previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
     try:
         port = int(os.environ.get("MASTER_PORT") or _free_port())
-        with idist.Parallel(backend=backend, nproc_per_node=nproc, master_port=port) as parallel:
-            parallel.run(_process_main, lock, fn, args)
+        with idist.Parallel(backend=backend, nproc_per_node=nproc, master_port=port,
+                            timeout=timedelta(seconds=collective_timeout)) as parallel:
+            parallel.run(_process_main, lock, collective_timeout, fn, args)
     except ProcessRaisedException as failure:
         warn(f"error: process {failure.error_index} failed:{failure.msg}")
         return 1
@@ -139,17 +145,30 @@ def spawn(fn: Callable[..., int], *args: Any, nproc: int, backend: str,
     return 0
 
 
-def _process_main(local_rank: int, lock: RunLock | None, fn: Callable[..., int],
-                  args: tuple[Any, ...]) -> None:
+def _process_main(local_rank: int, lock: RunLock | None, collective_timeout: int,
+                  fn: Callable[..., int], args: tuple[Any, ...]) -> None:
     # ``lock`` needs no call: unpickled as this process started, it holds the run's lock
     # until the process exits (recipes.runner.training.lock).
     try:
-        exit_code = fn(local_rank, *args)
+        exit_code = unless_peer_lost(lambda: fn(local_rank, *args), collective_timeout,
+                                     "to continue the run, run the same command again")
     except USER_ERRORS as error:
         warn(f"error: {error}", flush=True)
         exit_code = ExitCode.USER_ERROR
     idist.finalize()  # what Ignite does once this function returns
     exit_process(exit_code)
+
+
+@contextmanager
+def torchrun_group(backend: str, collective_timeout: int) -> Iterator[None]:
+    """Join torchrun's group for the block: its collectives wait ``collective_timeout``
+    seconds. (``idist.Parallel(backend)`` joins it too, but passes no timeout: the group
+    would wait 30 minutes for a peer that stopped answering.)"""
+    idist.initialize(backend, timeout=timedelta(seconds=collective_timeout))
+    try:
+        yield
+    finally:
+        idist.finalize()
 
 
 def exit_process(exit_code: int) -> NoReturn:

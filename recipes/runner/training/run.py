@@ -11,20 +11,24 @@ the summary (``summary.py``). The modes that train no run are in ``modes.py``. E
 
 import dataclasses
 
-import ignite.distributed as idist
-
 from handlers.graceful_stop import EXIT_CODES as STOP_EXIT_CODES
 from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ExitCode
 from recipes.runner.config.registry import recipe_ref
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say, warn
-from recipes.runner.resume.elastic import warn_if_store_shared
+from recipes.runner.resume.elastic import how_to_continue, warn_if_store_shared
 from recipes.runner.resume.plan import COMPLETE, plan_resume
 from recipes.runner.resume.same_run import continue_command
 from recipes.runner.training.group import join_group, train_process
-from recipes.runner.training.launch import exit_process, launched_by_torchrun, spawn
+from recipes.runner.training.launch import (
+    exit_process,
+    launched_by_torchrun,
+    spawn,
+    torchrun_group,
+)
 from recipes.runner.training.modes import overfit_run
+from recipes.runner.training.peers import unless_peer_lost
 from recipes.runner.training.start_checks import (
     FolderWriteError,
     check_recipe_keys,
@@ -42,8 +46,9 @@ def run(recipe: Recipe, config: RunConfig, given: set[str], keys_from: str = "")
         return overfit_run(recipe, config)
     if launched_by_torchrun():
         warn_if_store_shared()
-        with idist.Parallel(backend=launch_of(config).backend):  # joins torchrun's group
-            exit_code = join_group(recipe, config, given, keys_from)
+        with torchrun_group(launch_of(config).backend, config.collective_timeout):
+            exit_code = unless_peer_lost(lambda: join_group(recipe, config, given, keys_from),
+                                         config.collective_timeout, how_to_continue())
         exit_process(exit_code)
     plan = plan_resume(recipe.name, recipe.best, config, given, keys_from)
     for line in plan.notes:
@@ -60,7 +65,8 @@ def run(recipe: Recipe, config: RunConfig, given: set[str], keys_from: str = "")
                 exit_code = spawn(train_process, recipe_ref(recipe), dataclasses.asdict(config),
                                   started.run_dir, started.run_id, started.fingerprint,
                                   started.init_from, nproc=config.nproc,
-                                  backend=launch_of(config).backend, lock=lock)
+                                  backend=launch_of(config).backend,
+                                  collective_timeout=config.collective_timeout, lock=lock)
     except FolderWriteError as error:  # raised by the setup only: nothing has trained
         warn(f"error: {error}")
         return ExitCode.DISK

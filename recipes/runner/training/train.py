@@ -1,6 +1,8 @@
 """The run itself, in each process: build it, load the checkpoint its plan names, train to
 the end (or to a stop), and on rank 0 write the summary; returns an ``ExitCode``."""
 
+from collections.abc import Iterable
+from typing import Any
 
 import ignite.distributed as idist
 
@@ -57,7 +59,7 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
     batches = batches.bind(trainer) if hasattr(batches, "bind") else batches
     try:
         if not finished:
-            trainer.run(batches, max_epochs=config.epochs)
+            _run_to_the_end(trainer, batches, config.epochs, handlers)
     except (NonFiniteGradientError, LossSpikeError) as error:  # every rank, the same step
         status, exit_code = f"stopped: {error}", ExitCode.NON_FINITE
         if rank == 0:
@@ -86,6 +88,19 @@ def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
                                   disk_error_told=exit_code == ExitCode.DISK) or exit_code
         close_tracker(tracker, status, started.run_dir)
     return exit_code
+
+
+def _run_to_the_end(trainer: Trainer, batches: Iterable[Any], epochs: int,
+                    handlers: StandardHandlers) -> None:
+    """``trainer.run``, whose end (``Events.COMPLETED``, also after a stop) commits a save
+    still being written behind training (``--async-checkpoint``). A run that stops on
+    non-finite numbers ends without that event: the saves before the bad step stand, so it
+    commits the one in flight too, or raises its ``CheckpointError``."""
+    try:
+        trainer.run(batches, max_epochs=epochs)
+    except (NonFiniteGradientError, LossSpikeError):
+        handlers.checkpointer.wait_handler(trainer)
+        raise
 
 
 def _follow_new_lr_and_length(config: RunConfig, saved: dict, trainer: Trainer,

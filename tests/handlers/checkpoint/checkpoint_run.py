@@ -182,10 +182,15 @@ print(read_checkpoint(t.Path(sys.argv[1]) / "last.pt")["meta"]["iteration"])
 """
 
 
-def _run_until_killed(dirname: Path, phase: str) -> None:
+def _run_until_killed(dirname: Path, phase: str, asynchronous: bool = False) -> None:
+    """Three steps, each saved, in a child process killed at ``phase``; with
+    ``asynchronous`` the saves are written behind training and the run's end waits for the
+    last (``wait_handler``, as ``attach`` registers it)."""
     script = (
         "import sys; sys.path.insert(0, 'tests/handlers/checkpoint'); import checkpoint_run as t; "
-        f"run = t._save_every_step(t._build({str(dirname)!r}, keep_last=1)); "
+        f"run = t._save_every_step(t._build({str(dirname)!r}, keep_last=1, "
+        f"asynchronous={asynchronous})); "
+        "run.trainer.add_event_handler(t.Events.COMPLETED, run.ckpt.wait_handler); "
         "run.trainer.run(t.DATA[:3], max_epochs=1)"
     )
     env = {**os.environ, "CKPT_TEST_CRASH_PHASE": phase}

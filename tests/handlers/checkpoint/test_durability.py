@@ -229,6 +229,35 @@ def test_each_crash_phase_of_a_save_is_reached_where_its_name_says(tmp_path, mon
     ]
 
 
+def test_each_crash_phase_of_a_save_behind_training_is_reached_where_its_name_says(
+        tmp_path, monkeypatch):
+    """Written behind training, a save reaches the same phases in the same order on its
+    background thread, after two of its own; the run's end reaches ``final_wait`` only
+    while a save is in flight."""
+    ckpt = _checkpointer(tmp_path, keep_last=1, asynchronous=True)
+    _move_trainer_to(ckpt, 1, 1)
+    ckpt.save_last(ckpt.trainer)
+    ckpt.wait()
+
+    recorded = DurabilityCalls(monkeypatch, tmp_path)
+    ckpt._crash = PhaseRecorder(recorded.calls)
+    _move_trainer_to(ckpt, 2, 2)
+    ckpt.save_last(ckpt.trainer)
+    ckpt.wait()
+    ckpt.wait_handler(ckpt.trainer)  # nothing in flight
+    phases = [call[1] for call in recorded.calls if call[0] == "phase"]
+    assert phases == ["after_copy", "background_start", "before_temp", "mid_write",
+                      "before_rename", "before_dir_fsync", "before_sidecar", "before_link",
+                      "during_eviction"]
+    assert recorded.calls[:3] == [("save_started",), ("phase", "after_copy"),
+                                  ("phase", "background_start")]
+
+    _move_trainer_to(ckpt, 3, 3)
+    ckpt.save_last(ckpt.trainer)
+    ckpt.wait_handler(ckpt.trainer)  # the run's end, the save in flight
+    assert recorded.calls.count(("phase", "final_wait")) == 1
+
+
 def test_a_write_without_crash_points_replaces_the_file_whole_with_its_mode(tmp_path):
     """config.json and summary.json are written with no fault injection at all."""
     target = tmp_path / "config.json"

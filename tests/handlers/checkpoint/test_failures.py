@@ -40,18 +40,23 @@ from tests.handlers.checkpoint.checkpoint_run import (
 )
 
 
-def test_non_finite_weights_are_never_saved(tmp_path, caplog):
-    run = _build(tmp_path, best=Goal("acc", "max"))
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_non_finite_weights_are_never_saved(tmp_path, caplog, asynchronous):
+    """Written behind training, the copy is checked there, and nothing of it committed."""
+    run = _build(tmp_path, best=Goal("acc", "max"), asynchronous=asynchronous)
     _move_trainer_to(run, 1)
     run.ckpt.save_last(run.trainer)
+    run.ckpt.wait()
     with torch.no_grad():
         run.model[3].bias[1] = float("inf")
     with caplog.at_level(logging.WARNING, logger="handlers.checkpoint.checkpointer"):
         _move_trainer_to(run, 2)
         run.ckpt.save_last(run.trainer)
+        run.ckpt.wait()
         evaluator = Engine(lambda engine, batch: None)
         evaluator.state.metrics = {"acc": 1.0}
         run.ckpt.save_best(evaluator)
+        run.ckpt.wait()
     assert "model tensor '3.bias' is not finite" in caplog.text
     assert _names(tmp_path) == {"step-00000001.pt", "step-00000001.pt.json", "last.pt",
                                 "last.pt.json"}
@@ -150,15 +155,27 @@ def test_a_file_size_limit_during_a_save_is_a_checkpoint_error_and_keeps_the_las
     assert not [path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
 
 
+def _written_behind(*params, slow: bool = False):
+    """A case whose saves are written behind training (``asynchronous=True``)."""
+    return pytest.param(*params, True, marks=[pytest.mark.slow] if slow else [],
+                        id="-".join(map(str, (*params, "async"))))
+
+
 @pytest.mark.parametrize(
-    ("phase", "resumed_file", "resumed_iteration"),
-    [("mid_write:2", "last.pt", 1), ("before_link:2", "step-00000002.pt", 2),
-     ("during_eviction:2", "last.pt", 2)],
+    ("phase", "resumed_file", "resumed_iteration", "asynchronous"),
+    [("mid_write:2", "last.pt", 1, False), ("before_link:2", "step-00000002.pt", 2, False),
+     ("during_eviction:2", "last.pt", 2, False),
+     # The same phases reached on the background thread, and the phases of its own.
+     _written_behind("mid_write:2", "last.pt", 1),
+     _written_behind("before_link:2", "step-00000002.pt", 2, slow=True),
+     _written_behind("during_eviction:2", "last.pt", 2, slow=True),
+     _written_behind("after_copy:2", "last.pt", 1),
+     _written_behind("background_start:2", "last.pt", 1)],
 )
 def test_a_process_killed_inside_a_save_resumes_from_a_complete_checkpoint(
-    tmp_path, phase, resumed_file, resumed_iteration
+    tmp_path, phase, resumed_file, resumed_iteration, asynchronous
 ):
-    _run_until_killed(tmp_path, phase)
+    _run_until_killed(tmp_path, phase, asynchronous)
     run = _save_every_step(_build(tmp_path, seed=5, keep_last=1))
     info = run.ckpt.resume("auto")
     assert (info.path.name, info.meta["iteration"]) == (resumed_file, resumed_iteration)
@@ -187,6 +204,7 @@ def test_an_unknown_crash_phase_is_refused(tmp_path, monkeypatch):
         ({"save_every": 0}, "save_every"),
         ({"run_id": ""}, "run_id"),
         ({"file_mode": 0o400}, "file_mode"),
+        ({"asynchronous": "yes"}, "asynchronous must be True or False"),
         ({"config": {"root": Path("x")}}, r"config\['root'\] is a PosixPath"),
     ],
 )
@@ -219,11 +237,14 @@ def test_every_torch_load_in_the_checkpoint_code_passes_weights_only_true():
                    for keyword in call.keywords), ast.unparse(call)
 
 
-@pytest.mark.parametrize("phase", ["mid_write", "before_rename", "before_dir_fsync",
-                                   "before_sidecar"])
-def test_a_process_killed_inside_its_first_save_starts_fresh(tmp_path, caplog, phase):
+@pytest.mark.parametrize(("phase", "asynchronous"), [
+    ("mid_write", False), ("before_rename", False), ("before_dir_fsync", False),
+    ("before_sidecar", False), _written_behind("background_start"),
+    _written_behind("before_sidecar", slow=True)])
+def test_a_process_killed_inside_its_first_save_starts_fresh(tmp_path, caplog, phase,
+                                                             asynchronous):
     """Nothing was committed: whatever .pt the save left is not a checkpoint yet."""
-    _run_until_killed(tmp_path, phase)
+    _run_until_killed(tmp_path, phase, asynchronous)
     fresh = _save_every_step(_build(tmp_path, seed=5, keep_last=1))
     with caplog.at_level(logging.WARNING, logger="handlers.checkpoint.checkpointer"):
         assert fresh.ckpt.resume("auto") is None

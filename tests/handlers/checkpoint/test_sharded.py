@@ -126,6 +126,7 @@ def _two_process_worker(rank: int, port: int, root: Path) -> None:
         if rank == 0:  # what the two processes held at the end, whole
             torch.save({"model": got, "optimizer": optimizer}, root / "final.pt")
         _disk_full_on_rank_zero(resumed, rank, root / "checkpoints")
+        _saves_behind_training(rank, data, root / "behind", saved)
     finally:
         dist.destroy_process_group()
     exit_process(0)  # passed: skip the interpreter's teardown (see its docstring)
@@ -155,6 +156,41 @@ def _disk_full_on_rank_zero(run: Run, rank: int, folder: Path) -> None:
         assert "could not save: [Errno 28] No space left on device" in raised.reason
         assert not [path for path in folder.iterdir() if path.name.endswith(".tmp")]
         assert os.readlink(folder / "last.dcp") == "step-00000008.dcp"
+
+
+def _saves_behind_training(rank: int, data: list, folder: Path,
+                           saved: dict[str, torch.Tensor]) -> None:
+    """The first epoch again, each save written behind training (DCP's ``async_save`` on a
+    process group of its own, while the steps' collectives run on the default one): its
+    last checkpoint holds the synchronous run's weights. Then rank 0 finds the disk full as
+    it writes state.pt behind training: the save returns, the next ``wait()`` raises on
+    every process (rank 0 naming the disk), and ``last.dcp`` is untouched."""
+    run = _build(folder, shard=True, rank=rank, keep_last=2, asynchronous=True)
+    _train(run, data, STEPS_PER_EPOCH)
+    run.ckpt.wait()
+    if rank == 0:
+        whole = read_checkpoint(folder / "last.dcp")
+        assert whole["meta"]["iteration"] == STEPS_PER_EPOCH
+        for name, tensor in saved.items():
+            assert torch.equal(whole["model"][name], tensor), name
+    run.trainer.state.iteration = run.trainer.state.optimizer_step = 9
+    real = sharded_checkpoint._write_durably
+    if rank == 0:
+        def full(file, payload):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        sharded_checkpoint._write_durably = full
+    try:
+        run.ckpt.save_last(run.trainer)
+        with pytest.raises(CheckpointError) as raised:
+            run.ckpt.wait()
+    finally:
+        sharded_checkpoint._write_durably = real
+    expected = ("could not save: [Errno 28] No space left on device" if rank == 0
+                else "another process could not save it")
+    assert expected in raised.value.reason
+    if rank == 0:
+        assert not [path for path in folder.iterdir() if path.name.endswith(".tmp")]
+        assert os.readlink(folder / "last.dcp") == f"step-{STEPS_PER_EPOCH:08d}.dcp"
 
 
 def _free_port() -> int:
@@ -280,11 +316,12 @@ def test_checkpoints_of_the_other_format_are_an_error_not_a_fresh_start(
 # one-process group are written by the same code).
 
 
-def _run_until_killed(dirname: Path, phase: str) -> None:
+def _run_until_killed(dirname: Path, phase: str, asynchronous: bool = False) -> None:
     script = (
         "import sys; sys.path.insert(0, 'tests/handlers/checkpoint'); import test_sharded as t; "
-        f"run = t._build(t.Path({str(dirname)!r}), shard=False, keep_last=1); "
-        "t._train(run, t._batches(0), 3)"
+        f"run = t._build(t.Path({str(dirname)!r}), shard=False, keep_last=1, "
+        f"asynchronous={asynchronous}); "
+        "t._train(run, t._batches(0), 3); run.ckpt.wait_handler(run.trainer)"
     )
     env = {**os.environ, "CKPT_TEST_CRASH_PHASE": phase}
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, timeout=300,
@@ -295,16 +332,24 @@ def _run_until_killed(dirname: Path, phase: str) -> None:
 RESUMED_AFTER = {"before_link": ("step-00000002.dcp", 2), "during_eviction": ("last.dcp", 2)}
 
 
-# Three phases in `make test`, one of each outcome; the others in `make test-slow`.
+# Three phases in `make test`, one of each outcome; the others in `make test-slow`. Written
+# behind training, every phase again and two of its own (final_wait's outcome depends on how
+# far the write got: test_async.py kills there); in `make test`, those two and one phase
+# reached on the background thread.
 FAST_PHASES = ("mid_write", "before_link", "during_eviction")
+OWN_ASYNC_PHASES = ("after_copy", "background_start")
+FAST_ASYNC_PHASES = (*OWN_ASYNC_PHASES, "mid_write")
 
 
-@pytest.mark.parametrize("phase", [
-    phase if phase in FAST_PHASES else pytest.param(phase, marks=pytest.mark.slow)
-    for phase in CRASH_PHASES])
-def test_a_sharded_save_killed_at_each_phase_resumes_from_a_complete_checkpoint(tmp_path,
-                                                                                 phase):
-    _run_until_killed(tmp_path, f"{phase}:2")
+@pytest.mark.parametrize(("phase", "asynchronous"), [
+    pytest.param(phase, asynchronous,
+                 marks=[] if phase in (FAST_ASYNC_PHASES if asynchronous else FAST_PHASES)
+                 else [pytest.mark.slow])
+    for asynchronous in (False, True)
+    for phase in CRASH_PHASES + (OWN_ASYNC_PHASES if asynchronous else ())])
+def test_a_sharded_save_killed_at_each_phase_resumes_from_a_complete_checkpoint(
+        tmp_path, phase, asynchronous):
+    _run_until_killed(tmp_path, f"{phase}:2", asynchronous)
     run = _build(tmp_path, shard=False, keep_last=1)
     info = run.ckpt.resume("auto")
     assert (info.path.name, info.meta["iteration"]) == RESUMED_AFTER.get(phase, ("last.dcp", 1))

@@ -313,8 +313,8 @@ def test_the_same_torchrun_command_again_continues_its_run_then_reports_it_compl
     [folder] = run_folders(tmp_path)
     assert STAMPED.fullmatch(folder)
     assert stopped.stdout.count("stopped; to continue this run, run the same torchrun command "
-                                f"again (or add --run-dir runs/charlm/{folder})") == 1, \
-        stopped.stdout + stopped.stderr
+                                f"again (or add --run-dir {tmp_path.resolve()}/runs/charlm/"
+                                f"{folder})") == 1, stopped.stdout + stopped.stderr
 
     continued = run_command(command, tmp_path, **env)
     assert continued.returncode == 0, continued.stderr

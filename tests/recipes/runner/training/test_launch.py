@@ -138,7 +138,7 @@ def _run(config: cifar.Config, nproc: int, run_id: str, fault: dict | None = Non
     if nproc == 1:
         return _train_rank(0, config, Path(config.run_dir), run_id, fault)
     return spawn(_train_rank, config, Path(config.run_dir), run_id, fault, nproc=nproc,
-                 backend="gloo")
+                 backend="gloo", collective_timeout=config.collective_timeout)
 
 
 def _final_weights(run_dir: str) -> dict[str, torch.Tensor]:

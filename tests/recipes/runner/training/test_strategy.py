@@ -24,10 +24,11 @@ from handlers.checkpoint.files import checkpoint_in
 from recipes.__main__ import main
 from recipes.charlm import recipe as charlm
 from recipes.cifar import recipe as cifar
+from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.training.launch import process_device, share_machine, spawn
 from recipes.runner.training.start_checks import Started
 from recipes.runner.training.train import train
-from tests.helpers import one_error_line
+from tests.helpers import assert_within_reduction_order, one_error_line
 
 REPO = Path(__file__).resolve().parents[4]
 GUIDE = REPO / "docs" / "writing-a-recipe.md"
@@ -77,29 +78,13 @@ def runs(tmp_path_factory) -> Path:
     runs = [(name, settings | {"run_dir": str(root / folder)}, str(root / folder),
              resumed_id if folder == "charlm-resumed" else new_run_id())
             for name, settings, folder in plan]
-    assert spawn(_train_all, runs, nproc=2, backend="gloo") == 0
+    assert spawn(_train_all, runs, nproc=2, backend="gloo",
+                 collective_timeout=RunConfig.collective_timeout) == 0
     return root
 
 
 def _last(run: Path) -> dict:
     return read_checkpoint(checkpoint_in(run / "checkpoints", "last"))
-
-
-# Muon's Newton-Schulz iteration: five steps of a quintic whose slope at 0 is 3.4445.
-NEWTON_SCHULZ_GAIN = 3.4445 ** 5
-
-
-def assert_within_reduction_order(got: torch.Tensor, expected: torch.Tensor, steps: int):
-    """DDP all-reduces gradients; FSDP reduce-scatters them and sums the clipping norm's
-    squares shard by shard: the same sums in another order, so each step's gradients differ in
-    their last bit (eps = 2**-23 of their size; which bits depends on the CPU's vector width).
-    The optimizers here magnify a relative change by at most Muon's Newton-Schulz gain along a
-    gradient's smallest singular directions (a**5, about 487; AdamW's update is scale-free),
-    and every step adds its own: ``steps * gain * eps`` of the tensor's largest value. A wrong
-    reduction changes the update itself, not its last bits."""
-    bound = steps * NEWTON_SCHULZ_GAIN * torch.finfo(torch.float32).eps
-    torch.testing.assert_close(got, expected, rtol=0,
-                               atol=bound * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("recipe", ["charlm", "cifar"])
