@@ -8,6 +8,7 @@ format is imported only when it is used: it pulls in ``torch.distributed.checkpo
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -17,12 +18,15 @@ from handlers.checkpoint.files import SingleFile, read_file
 SUFFIXES = {"ddp": ".pt", "fsdp": ".dcp"}  # the checkpoint's suffix by --strategy
 
 
-def format_for(strategy: str) -> "CheckpointFormat":
-    """The format a run of ``--strategy`` writes and resumes from."""
+def format_for(strategy: str, collective_timeout: timedelta | None = None
+               ) -> "CheckpointFormat":
+    """The format a run of ``--strategy`` writes and resumes from; ``collective_timeout``:
+    how long a sharded save's collectives wait for the other processes (the run's
+    ``--collective-timeout``)."""
     if strategy == "fsdp":
         from handlers.checkpoint.sharded import ShardedFolder  # torch.distributed only here
 
-        return ShardedFolder()
+        return ShardedFolder(collective_timeout)
     return SingleFile()
 
 

@@ -49,6 +49,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,10 @@ class ShardedFolder:
 
     suffix = ".dcp"
 
-    def __init__(self) -> None:
+    def __init__(self, collective_timeout: timedelta | None = None) -> None:
+        # The timeout of the group's own collectives, for the saves written behind training
+        # too (None: torch's default for gloo, 30 minutes).
+        self._timeout = collective_timeout
         self._group: dist.ProcessGroup | None = None  # see _behind_group
         self._staged = StagedCopies()  # rank 0's state.pt entries written behind training
 
@@ -223,7 +227,7 @@ class ShardedFolder:
         default group: two threads issuing collectives on one group may pair them
         differently on each process. None without a process group."""
         if dist.is_initialized() and self._group is None:
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         return self._group
 
     def read(self, path: Path, *, expected_run_id: str | None,

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -243,7 +244,8 @@ def attach_standard_handlers(trainer: Trainer, evaluator: Engine, config: RunCon
         keep_last=config.keep_last, keep_best=config.keep_best, best=goal,
         save_every=config.checkpoint_every,
         wrap_save=save_wrapper(config.strategy),
-        checkpoint_format=format_for(config.strategy), asynchronous=config.async_checkpoint)
+        checkpoint_format=format_for(config.strategy, timedelta(seconds=config.collective_timeout)),
+        asynchronous=config.async_checkpoint)
     stop = GracefulStop(checkpointer.last_handler)  # every rank gets the signal, all save
     max_seconds = max_time_seconds(config.max_time)
     budget = None if config.max_steps is None and max_seconds is None else RunBudget(

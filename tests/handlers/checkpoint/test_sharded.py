@@ -11,6 +11,7 @@ import subprocess
 import sys
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from engine.run_state import RngState
 from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.checkpoint.crash_points import CRASH_PHASES, CrashPoints
 from handlers.checkpoint.files import CheckpointError, SingleFile
-from handlers.checkpoint.formats import read_checkpoint
+from handlers.checkpoint.formats import format_for, read_checkpoint
 from handlers.checkpoint.sharded import ShardedFolder
 from recipes.runner.training.launch import exit_process
 
@@ -421,3 +422,15 @@ def test_a_full_disk_under_dcp_is_named_as_a_full_disk(tmp_path, monkeypatch):
                               file_mode=0o640, crash=CrashPoints())
     assert str(raised.value) == "[Errno 28] No space left on device"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_group_of_saves_behind_training_waits_the_runs_collective_timeout(monkeypatch):
+    """A peer lost during a sharded save written behind training ends the run after
+    ``--collective-timeout``, as one lost in a training collective does, not after gloo's
+    default 30 minutes."""
+    made = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "new_group", lambda **kwargs: made.update(kwargs) or "its group")
+    folder = format_for("fsdp", timedelta(seconds=7))
+    assert folder._behind_group() == "its group"
+    assert made == {"backend": "gloo", "timeout": timedelta(seconds=7)}
