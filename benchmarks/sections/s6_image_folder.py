@@ -7,7 +7,6 @@ for data.
 one markdown section; ``measure`` and ``render`` are the same for another report.
 """
 
-import argparse
 import sys
 import tempfile
 import time
@@ -20,6 +19,7 @@ from ignite.engine import Events
 
 from benchmarks.harness.machine import load_average
 from benchmarks.harness.report import table
+from benchmarks.harness.section_cli import emit, progress_log, section_parser
 from benchmarks.harness.timing import Stats, interleaved_order, number
 from engine import create_trainer
 from recipes.cifar.batches import TrainBatches
@@ -178,24 +178,13 @@ loader took {number(waited, 3)} s of {number(stepped, 3)} s
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sections.s6_image_folder",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes")
-    parser.add_argument("--out", type=Path, default=None, help="write the section here")
+    parser = section_parser("benchmarks.sections.s6_image_folder", __doc__, "smoke run: tiny sizes")
     parser.add_argument("--data-dir", type=Path, default=SHARED_CIFAR,
                         help="CIFAR-10 JPEG folders train/ and test/ (default: the shared ones)")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-
-    def log(line: str) -> None:
-        print(f"[{time.perf_counter() - started:7.1f}s] {line}", file=sys.stderr, flush=True)
-
+    log = progress_log()
     section = render(measure(args.data_dir, QUICK if args.quick else FULL, log), args.data_dir)
-    if args.out is None:
-        print(section)
-    else:
-        args.out.write_text(section + "\n")
-    return 0
+    return emit(section, args.out)
 
 
 if __name__ == "__main__":

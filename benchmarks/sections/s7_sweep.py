@@ -10,7 +10,6 @@ the trials' run times plus 2 s a trial.
 section.
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,6 +24,7 @@ import torch
 
 from benchmarks.harness.machine import load_average
 from benchmarks.harness.report import table
+from benchmarks.harness.section_cli import emit, progress_log, section_parser
 from benchmarks.harness.timing import number
 
 TINY_CHARLM = ["--val-fraction", "0.2", "--block-size", "8", "--n-layer", "1", "--n-head",
@@ -118,22 +118,11 @@ start and imports, the study's creation, reads and writes, and the table."""
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sections.s7_sweep",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 trials of 1 epoch")
-    parser.add_argument("--out", type=Path, default=None, help="write the section here")
+    parser = section_parser("benchmarks.sections.s7_sweep", __doc__,
+                            "smoke run: 2 trials of 1 epoch")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-
-    def log(line: str) -> None:
-        print(f"[{time.perf_counter() - started:7.1f}s] {line}", file=sys.stderr, flush=True)
-
-    section = render(measure(2, 1, log) if args.quick else measure(4, 2, log))
-    if args.out is None:
-        print(section)
-    else:
-        args.out.write_text(section + "\n")
-    return 0
+    log = progress_log()
+    return emit(render(measure(2, 1, log) if args.quick else measure(4, 2, log)), args.out)
 
 
 if __name__ == "__main__":

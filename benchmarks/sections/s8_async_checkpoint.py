@@ -15,7 +15,6 @@ on the same cores is not measured here.
 writes) the section.
 """
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from torch import nn
 
 from benchmarks.harness.machine import load_average
 from benchmarks.harness.report import table
+from benchmarks.harness.section_cli import emit, progress_log, section_parser
 from benchmarks.harness.timing import interleaved_order, number
 from engine import create_trainer
 from engine.run_state import RngState
@@ -165,23 +165,12 @@ these figures. Load average after: {load}.
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sections.s8_async_checkpoint",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 2 repeats")
-    parser.add_argument("--out", type=Path, default=None, help="write the section here")
+    parser = section_parser("benchmarks.sections.s8_async_checkpoint", __doc__,
+                            "smoke run: a tiny model, 2 repeats")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-
-    def log(line: str) -> None:
-        print(f"[{time.perf_counter() - started:7.1f}s] {line}", file=sys.stderr, flush=True)
-
+    log = progress_log()
     results = measure(QUICK_SHAPES if args.quick else SHAPES, log)
-    section = render(results, load_average())
-    if args.out is None:
-        print(section)
-    else:
-        args.out.write_text(section + "\n")
-    return 0
+    return emit(render(results, load_average()), args.out)
 
 
 if __name__ == "__main__":
