@@ -275,6 +275,18 @@ def assert_within_reduction_order(got: torch.Tensor, expected: torch.Tensor, ste
                                atol=bound * expected.abs().max().item())
 
 
+def assert_state_within_reduction_order(got: dict, expected: dict, steps: int) -> None:
+    """Two checkpoints' model weights and optimizer state (``param_groups`` equal, each state
+    tensor) within ``assert_within_reduction_order``'s bound after ``steps`` steps."""
+    assert got["model"].keys() == expected["model"].keys()
+    for name, tensor in expected["model"].items():
+        assert_within_reduction_order(got["model"][name], tensor, steps)
+    assert got["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    for index, state in expected["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert_within_reduction_order(got["optimizer"]["state"][index][key], value, steps)
+
+
 def assert_bit_identical(actual, expected, where: str) -> None:
     """Tensors bit-identical, everything else equal, through nested dicts and lists."""
     if isinstance(expected, torch.Tensor):

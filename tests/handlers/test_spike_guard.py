@@ -11,6 +11,7 @@ from engine import RngState, TrainEvents, create_trainer
 from engine.update_gate import MaskedGate
 from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.spike_guard import LossSpikeError, SpikeGuard
+from tests.helpers import assert_bit_identical
 
 EPOCH_LENGTH, EPOCHS = 16, 3
 # Small enough for a run of 48 iterations: decisions from the 4th window on, two spikes
@@ -247,7 +248,7 @@ def test_state_dict_round_trip_is_weights_only_and_needs_an_attached_guard(tmp_p
     fresh_trainer, fresh, _, _ = make_run()
     fresh.load_state_dict(loaded)
     assert fresh.summary() == guard.summary()
-    assert_identical(fresh.state_dict(), guard.state_dict())
+    assert_bit_identical(fresh.state_dict(), guard.state_dict(), "guard")
     assert torch.isnan(fresh._ring[:, 0]).sum() == 2  # windows 10 and 12: spikes stay out
 
 
@@ -295,19 +296,5 @@ def test_a_run_killed_and_resumed_from_its_checkpoint_ends_bit_identical(
     assert trainer.state.iteration > 0
     trainer.run(data, max_epochs=EPOCHS)
     resumed = {name: obj.state_dict() for name, obj in to_save.items()}
-    assert_identical(resumed, uninterrupted)
+    assert_bit_identical(resumed, uninterrupted, "state")
 
-
-def assert_identical(actual, expected, where="") -> None:
-    if isinstance(expected, torch.Tensor):
-        assert torch.equal(actual, expected), where
-    elif isinstance(expected, dict):
-        assert actual.keys() == expected.keys(), where
-        for key in expected:
-            assert_identical(actual[key], expected[key], f"{where}/{key}")
-    elif isinstance(expected, list | tuple):
-        assert len(actual) == len(expected), where
-        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_identical(a, e, f"{where}/{index}")
-    else:
-        assert actual == expected, where

@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -133,24 +135,32 @@ def _two_process_worker(rank: int, port: int, root: Path) -> None:
     exit_process(0)  # passed: skip the interpreter's teardown (see its docstring)
 
 
-def _disk_full_on_rank_zero(run: Run, rank: int, folder: Path) -> None:
-    """A save in which rank 0 finds the disk full as it writes state.pt, after every process
-    wrote its shards: rank 0 raises CheckpointError naming the disk error (the run layer's
-    EveryRankSave then stops every process), the temp folder with every process's shards is
-    removed, and the newest checkpoint is untouched."""
-    run.trainer.state.iteration = run.trainer.state.optimizer_step = 9
+@contextmanager
+def _disk_full_on_rank_zero_while(rank: int) -> Iterator[None]:
+    """On rank 0, every file a sharded save writes durably (state.pt) finds the disk full."""
     real = sharded_checkpoint._write_durably
     if rank == 0:
         def full(file, payload):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         sharded_checkpoint._write_durably = full
     try:
-        run.ckpt.save_last(run.trainer)
-        raised = None
-    except CheckpointError as error:
-        raised = error
+        yield
     finally:
         sharded_checkpoint._write_durably = real
+
+
+def _disk_full_on_rank_zero(run: Run, rank: int, folder: Path) -> None:
+    """A save in which rank 0 finds the disk full as it writes state.pt, after every process
+    wrote its shards: rank 0 raises CheckpointError naming the disk error (the run layer's
+    EveryRankSave then stops every process), the temp folder with every process's shards is
+    removed, and the newest checkpoint is untouched."""
+    run.trainer.state.iteration = run.trainer.state.optimizer_step = 9
+    with _disk_full_on_rank_zero_while(rank):
+        try:
+            run.ckpt.save_last(run.trainer)
+            raised = None
+        except CheckpointError as error:
+            raised = error
     dist.barrier()
     assert (raised is not None) == (rank == 0)
     if rank == 0:
@@ -175,17 +185,10 @@ def _saves_behind_training(rank: int, data: list, folder: Path,
         for name, tensor in saved.items():
             assert torch.equal(whole["model"][name], tensor), name
     run.trainer.state.iteration = run.trainer.state.optimizer_step = 9
-    real = sharded_checkpoint._write_durably
-    if rank == 0:
-        def full(file, payload):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        sharded_checkpoint._write_durably = full
-    try:
+    with _disk_full_on_rank_zero_while(rank):
         run.ckpt.save_last(run.trainer)
         with pytest.raises(CheckpointError) as raised:
             run.ckpt.wait()
-    finally:
-        sharded_checkpoint._write_durably = real
     expected = ("could not save: [Errno 28] No space left on device" if rank == 0
                 else "another process could not save it")
     assert expected in raised.value.reason

@@ -28,7 +28,10 @@ from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.training.launch import process_device, share_machine, spawn
 from recipes.runner.training.start_checks import Started
 from recipes.runner.training.train import train
-from tests.helpers import assert_within_reduction_order, one_error_line
+from tests.helpers import (
+    assert_state_within_reduction_order,
+    one_error_line,
+)
 
 REPO = Path(__file__).resolve().parents[4]
 GUIDE = REPO / "docs" / "writing-a-recipe.md"
@@ -93,13 +96,7 @@ def test_fsdp_reaches_ddps_weights_and_optimizer_state(runs, recipe):
     steps) on one AVX-512 AMD EPYC and about 15% (1.8e-5) on another; charlm's 1.1%."""
     ddp, fsdp = _last(runs / f"{recipe}-ddp"), _last(runs / f"{recipe}-fsdp")
     steps = ddp["meta"]["optimizer_step"]
-    assert ddp["model"].keys() == fsdp["model"].keys()
-    for name, tensor in ddp["model"].items():
-        assert_within_reduction_order(fsdp["model"][name], tensor, steps)
-    assert fsdp["optimizer"]["param_groups"] == ddp["optimizer"]["param_groups"]
-    for index, state in ddp["optimizer"]["state"].items():
-        for key, value in state.items():
-            assert_within_reduction_order(fsdp["optimizer"]["state"][index][key], value, steps)
+    assert_state_within_reduction_order(fsdp, ddp, steps)
     assert fsdp["meta"]["optimizer_step"] == ddp["meta"]["optimizer_step"] > 1
     # Every step clipped, by the whole model's norm: the same pre-clip norms as DDP's.
     seen = [checkpoint["telemetry"] for checkpoint in (ddp, fsdp)]
