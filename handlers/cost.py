@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from engine import Trainer
+from engine.trainer import Trainer
 from handlers.arguments import check_int
 
 # Dense (no 2:4 sparsity) peak FLOP/s per number format, from NVIDIA's datasheets and

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
-from engine import Trainer
+from engine.trainer import Trainer
 from handlers.arguments import check_int, check_number
 
 logger = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from types import FrameType
 import ignite.distributed as idist
 from ignite.engine import Engine, Events
 
-from engine import Trainer
 from engine.step import window_position
+from engine.trainer import Trainer
 
 # 128 + the signal's number, as shells report. SIGUSR1 is what a cluster scheduler sends
 # before it preempts (SLURM's --signal=USR1@<seconds>): Python's default would end the process

@@ -11,9 +11,10 @@ import torch
 from ignite.engine import Engine, Events
 from torch.utils.hooks import RemovableHandle
 
-from engine import Trainer, TrainEvents
+from engine.events import TrainEvents
 from engine.gradients import CLIP_EPS
 from engine.sharding import local_shards, shard_group, whole_norms
+from engine.trainer import Trainer
 from handlers.arguments import check_int
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from ignite.engine import Engine
 
-from engine import Trainer
+from engine.trainer import Trainer
 
 
 class Handler(Protocol):

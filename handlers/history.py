@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
-from engine import Trainer
+from engine.trainer import Trainer
 from handlers.arguments import check_int
 from handlers.goal import STANDARD_MODES, best_of, check_mode
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport

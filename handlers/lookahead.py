@@ -19,7 +19,8 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
-from engine import Trainer, TrainEvents
+from engine.events import TrainEvents
+from engine.trainer import Trainer
 from handlers.arguments import check_int, check_number
 
 

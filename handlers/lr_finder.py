@@ -32,8 +32,10 @@ import torch
 from ignite.engine import Engine, Events, State
 from torch import nn
 
-from engine import NonFiniteGradientError, RngState, Trainer, TrainEvents, create_trainer
-from engine.trainer import TRAINER_STATE_KEYS
+from engine.events import TrainEvents
+from engine.nonfinite import NonFiniteGradientError
+from engine.run_state import RngState
+from engine.trainer import TRAINER_STATE_KEYS, Trainer, create_trainer
 from handlers.arguments import check_int, check_number
 
 RULE = (

@@ -7,7 +7,8 @@ from pathlib import Path
 from ignite.engine import Engine, Events
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-from engine import Trainer, TrainEvents
+from engine.events import TrainEvents
+from engine.trainer import Trainer
 from handlers.arguments import check_int
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import TextIO
 from ignite.engine import Engine, Events
 from tqdm import tqdm
 
-from engine import Trainer
+from engine.trainer import Trainer
 from handlers.arguments import check_choice
 from handlers.cost import CostMeter
 from handlers.goal import Goal, is_better

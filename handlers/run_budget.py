@@ -13,8 +13,8 @@ from collections.abc import Callable
 import ignite.distributed as idist
 from ignite.engine import Engine, Events
 
-from engine import Trainer
 from engine.step import window_position
+from engine.trainer import Trainer
 
 
 class RunBudget:

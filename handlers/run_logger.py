@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
-from engine import Trainer
+from engine.trainer import Trainer
 from handlers.arguments import check_int
 from handlers.cost import CostMeter
 from handlers.goal import STANDARD_MODES, check_mode, is_better

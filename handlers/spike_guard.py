@@ -57,7 +57,8 @@ import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 
-from engine import Trainer, TrainEvents
+from engine.events import TrainEvents
+from engine.trainer import Trainer
 from handlers.arguments import check_choice, check_int, check_number
 
 logger = logging.getLogger(__name__)

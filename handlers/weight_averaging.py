@@ -34,8 +34,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim.swa_utils import update_bn
 
-from engine import RngState, Trainer, TrainEvents
 from engine.batch import move_to_device
+from engine.events import TrainEvents
+from engine.run_state import RngState
+from engine.trainer import Trainer
 from handlers.arguments import check_bool, check_choice, check_int, check_number
 
 MODES = ("ema", "swa")

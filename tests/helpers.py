@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ignite.engine import Events
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from engine import create_evaluator
+from engine.trainer import create_evaluator
 from recipes.__main__ import main
 from recipes.runner.commands.trained import load_trained
 from recipes.runner.config.command_line import parse_args

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from handlers import Checkpointer
+from handlers.checkpoint.checkpointer import Checkpointer
 from recipes.runner.training.fingerprint import fingerprint_arrays
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference.md"

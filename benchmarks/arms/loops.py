@@ -44,7 +44,8 @@ from benchmarks.arms.recipe_handlers import RecipeHandlers
 from benchmarks.arms.workloads import Workload
 from benchmarks.harness.lockstep import run_lockstep
 from benchmarks.harness.timing import WindowTimer
-from engine import Trainer, create_trainer, resolve_precision
+from engine.precision import resolve_precision
+from engine.trainer import Trainer, create_trainer
 
 T = TypeVar("T")
 

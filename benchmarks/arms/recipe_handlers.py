@@ -24,7 +24,8 @@ from pathlib import Path
 from ignite.engine import Events
 from ignite.metrics import Accuracy
 
-from engine import Trainer, create_evaluator, new_run_id
+from engine.run_state import new_run_id
+from engine.trainer import Trainer, create_evaluator
 from recipes.cifar.recipe import Config
 from recipes.runner.api import RunPlan
 from recipes.runner.training.standard_handlers import Evaluation, RunSite, attach_standard_handlers

@@ -15,7 +15,7 @@ from benchmarks.arms.loops import quiet_stdout
 from benchmarks.arms.recipe_handlers import RecipeHandlers
 from benchmarks.arms.workloads import Workload
 from benchmarks.harness.report import table
-from engine import create_trainer
+from engine.trainer import create_trainer
 from recipes.cifar.recipe import Config
 
 # Each of these makes the host wait for the device when the tensor lives on a GPU.

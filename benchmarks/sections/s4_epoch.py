@@ -16,7 +16,7 @@ from benchmarks.arms.recipe_handlers import RecipeHandlers
 from benchmarks.harness.report import table
 from benchmarks.harness.timing import Stats, WindowTimer, interleaved_order
 from benchmarks.sections.s3_data import FetchShare
-from engine import create_evaluator, create_trainer
+from engine.trainer import create_evaluator, create_trainer
 from recipes.cifar.batches import EvalBatches, TrainBatches
 from recipes.cifar.model import build_model, flip_tta_predict
 from recipes.cifar.recipe import Config

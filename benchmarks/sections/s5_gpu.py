@@ -27,7 +27,8 @@ from benchmarks.arms.workloads import cifar_workload
 from benchmarks.harness.plan import Plan
 from benchmarks.harness.report import table
 from benchmarks.harness.timing import Stats, WindowTimer, interleaved_order
-from engine import create_trainer, resolve_precision
+from engine.precision import resolve_precision
+from engine.trainer import create_trainer
 from recipes.__main__ import main as recipes_main
 from recipes.cifar.data import CifarArrays, load_cifar10
 from recipes.cifar.recipe import Config

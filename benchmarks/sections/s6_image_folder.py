@@ -21,7 +21,7 @@ from benchmarks.harness.machine import load_average
 from benchmarks.harness.report import table
 from benchmarks.harness.section_cli import emit, progress_log, section_parser
 from benchmarks.harness.timing import Stats, interleaved_order, number
-from engine import create_trainer
+from engine.trainer import create_trainer
 from recipes.cifar.batches import TrainBatches
 from recipes.cifar.data import load_cifar10
 from recipes.common.paths import SHARED_DATA

@@ -30,8 +30,8 @@ from benchmarks.harness.machine import load_average
 from benchmarks.harness.report import table
 from benchmarks.harness.section_cli import emit, progress_log, section_parser
 from benchmarks.harness.timing import interleaved_order, number
-from engine import create_trainer
 from engine.run_state import RngState
+from engine.trainer import create_trainer
 from handlers.checkpoint.checkpointer import Checkpointer
 from recipes.charlm.config import Config
 from recipes.charlm.model import GPT

@@ -147,7 +147,7 @@ def time_to_target(reaching: dict[str, float]) -> Row:
 def recipe_step(batch_size: int, device: str, compile: bool, cuda_graphs: bool):
     """The recipe's default model and optimizer in ``create_trainer``'s step, and batches."""
     from benchmarks.arms.workloads import cifar_workload
-    from engine import create_trainer
+    from engine.trainer import create_trainer
     from recipes.cifar.recipe import Config
     from recipes.common.optimizers import build_optimizer
 

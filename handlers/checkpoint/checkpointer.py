@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 
 from ignite.engine import Engine, Events
 
-from engine import Trainer, TrainEvents
+from engine.events import TrainEvents
+from engine.trainer import Trainer
 from handlers.arguments import check_int
 from handlers.checkpoint.background import Background
 from handlers.checkpoint.crash_points import CrashPoints

@@ -19,7 +19,6 @@ from ignite.metrics import Loss, MetricsLambda
 from torch.nn import functional as F
 from torch.utils.tensorboard import SummaryWriter
 
-from recipes.charlm.commands import COMMANDS
 from recipes.charlm.config import Config
 from recipes.charlm.encoded import encoded_path, load_encoded
 from recipes.charlm.model import GPT
@@ -120,5 +119,5 @@ RECIPE = Recipe(
     name="charlm", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
     build=build, metrics={"loss": "min", "perplexity": "min"}, best="loss",
     sample_counts=lambda corpus: corpus.windows, fingerprint=lambda corpus: {"text": corpus.facts},
-    commands=COMMANDS, activation_checkpointing=True,
+    commands="recipes.charlm.commands", activation_checkpointing=True,
     blocks=lambda model: list(model.transformer.h))

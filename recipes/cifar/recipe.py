@@ -14,10 +14,9 @@ from pathlib import Path
 import torch
 from ignite.metrics import Accuracy, Loss
 
-from handlers import Lookahead
 from handlers.cost import training_flops
+from handlers.lookahead import Lookahead
 from recipes.cifar.batches import EvalBatches, TrainBatches
-from recipes.cifar.commands import COMMANDS, EVAL_SPLITS
 from recipes.cifar.config import Config
 from recipes.cifar.data import CifarArrays, holdout_validation, load_cifar10, make_synthetic, subset
 from recipes.cifar.model import TTA_FORWARDS, TTAPredict, build_model, stages
@@ -129,6 +128,6 @@ RECIPE = Recipe(
     name="cifar", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
     build=build, metrics={"accuracy": "max", "loss": "min"}, best="accuracy",
     sample_counts=lambda arrays: (len(arrays.train_labels), len(arrays.test_labels)),
-    commands=COMMANDS, eval_splits=EVAL_SPLITS, blocks=stages,
+    commands="recipes.cifar.commands", blocks=stages,
     fingerprint=fingerprint, data_source=data_source,
     stand_in_data=lambda config: load_data(replace(config, dataset="synthetic")))

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import Muon
+from engine.muon import Muon
 
 OWN_OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from ignite.engine import Events
 
-from engine import create_evaluator
+from engine.trainer import create_evaluator
 from handlers.atomic_write import write_atomically
 from recipes.common.image_files import IMAGE_SUFFIXES, has_image_suffix, read_image
 from recipes.runner.api import Recipe

@@ -22,7 +22,6 @@ from torch import nn
 from handlers.cost import training_flops
 from recipes.common.optimizers import build_optimizer
 from recipes.common.paths import data_dir_candidates, default_data_dir, places_looked_in
-from recipes.images.commands import COMMANDS, EVAL_SPLITS
 from recipes.images.config import LAYOUT, MAX_AUTO_SIZE, SMALL_IMAGE_MAX, Config
 from recipes.images.data import (
     IMAGENET_MEAN,
@@ -163,6 +162,6 @@ RECIPE = Recipe(
     name="images", summary=__doc__.splitlines()[0], config=Config, load_data=load_data,
     build=build, metrics={"accuracy": "max", "loss": "min"}, best="accuracy",
     sample_counts=lambda data: (len(data.folders.train), len(data.folders.val)),
-    commands=COMMANDS, eval_splits=EVAL_SPLITS, blocks=stages,
+    commands="recipes.images.commands", blocks=stages,
     fingerprint=fingerprint, data_source=lambda config: str(data_folder(config)),
     stand_in_data=stand_in_data)

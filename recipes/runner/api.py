@@ -15,18 +15,20 @@ A recipe module ``recipes/<name>/recipe.py`` holds one value, ``RECIPE = Recipe(
 - ``fingerprint(data) -> {split name: fingerprint}``: cheap facts about each split
   (counts, hashes; ``recipes.runner.training.fingerprint``) stored with the run: a resume on
   different data is refused, naming what changed;
-- optional: ``commands`` (by name, ``command(recipe, args) -> exit code``: what
-  ``python -m recipes <name> <command> <run> ...`` runs besides training and ``evaluate``,
-  ``recipes.runner.commands.dispatch``), ``eval_splits`` (the splits besides validation that
-  ``evaluate --split`` can name) and ``blocks(model) -> [module]`` (the repeated blocks
-  that ``--strategy fsdp`` shards one by one, ``recipes.runner.training.strategy``).
+- optional: ``commands`` (the module whose ``COMMANDS``, by name, ``command(recipe, args) ->
+  exit code``, are what ``python -m recipes <name> <command> <run> ...`` runs besides training
+  and ``evaluate``, ``recipes.runner.commands.dispatch``, and whose ``EVAL_SPLITS`` are the
+  splits besides validation that ``evaluate --split`` can name) and ``blocks(model) ->
+  [module]`` (the repeated blocks that ``--strategy fsdp`` shards one by one,
+  ``recipes.runner.training.strategy``).
 
 ``run(RECIPE, config, given)`` (``recipes.runner.training.run``) does the rest
 (``python -m recipes <name>`` calls it).
 """
 
+import importlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +37,8 @@ from ignite.engine import Engine
 from ignite.metrics import Metric
 from torch import nn
 
-from engine import Trainer
 from engine.batch import Forward, Predict, PrepareBatch, move_to_device, supervised_predict
+from engine.trainer import Trainer
 from handlers.goal import check_mode
 
 
@@ -133,12 +135,13 @@ class Recipe:
     # config -> a stand-in for the data with the same shapes and classes (random samples),
     # on which --describe builds the run's wiring without reading or downloading the data.
     stand_in_data: Callable[[Any], Any] | None = None
-    # Commands besides training and evaluate (recipes.runner.commands.dispatch), by name:
-    # command(recipe, args) -> exit code, e.g. predict, generate.
-    commands: Mapping[str, Callable[["Recipe", list[str]], int]] = field(default_factory=dict)
-    # The splits besides validation that ``evaluate --split`` can name: each maps the data to
-    # the same data with that split in the validation split's place.
-    eval_splits: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    # The module (a dotted name) of the commands besides training and evaluate
+    # (recipes.runner.commands.dispatch): its ``COMMANDS`` maps a name to
+    # command(recipe, args) -> exit code (predict, generate, export); its ``EVAL_SPLITS``, if
+    # it has them, the splits besides validation that ``evaluate --split`` can name, each
+    # mapping the data to the same data with that split in the validation split's place. A
+    # name, imported by ``after_training``: a training start never loads that code.
+    commands: str | None = None
     # Whether build honours --activation-checkpointing: a model of repeated blocks whose
     # forward may run again in the backward with the same result (no BatchNorm, whose
     # running statistics a second forward would update twice).
@@ -146,6 +149,14 @@ class Recipe:
     # model -> its repeated blocks (a transformer's layers, a conv net's stages), which
     # --strategy fsdp shards one by one; None: the recipe runs under --strategy ddp only.
     blocks: Callable[[nn.Module], list[nn.Module]] | None = None
+
+    def after_training(self) -> tuple[Mapping[str, Callable[["Recipe", list[str]], int]],
+                                      Mapping[str, Callable[[Any], Any]]]:
+        """The ``COMMANDS`` and ``EVAL_SPLITS`` of the module ``commands`` names."""
+        if self.commands is None:
+            return {}, {}
+        module = importlib.import_module(self.commands)
+        return module.COMMANDS, getattr(module, "EVAL_SPLITS", {})
 
     def __post_init__(self) -> None:
         for name, mode in self.metrics.items():

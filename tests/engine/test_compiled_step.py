@@ -17,8 +17,9 @@ from ignite.metrics import Accuracy
 from torch._dynamo.utils import counters
 
 import engine.trainer
-from engine import Muon, create_evaluator, create_trainer
 from engine.compiled_step import DELIBERATE, CompiledUpdate, report_graph_breaks
+from engine.muon import Muon
+from engine.trainer import create_evaluator, create_trainer
 from engine.update_gate import MaskedGate
 from handlers.lookahead import Lookahead
 from handlers.lr_scheduling import build_scheduler

@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import Muon
-from engine.muon import orthogonalize
+from engine.muon import Muon, orthogonalize
 
 
 @pytest.mark.parametrize("shape", [(32, 72), (72, 32)])

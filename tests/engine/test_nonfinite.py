@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from ignite.engine import Engine, Events
 from torch import nn
 
-from engine import Muon, NonFiniteGradientError, TrainEvents, create_trainer
-from engine.nonfinite import NonFiniteGuard, PendingStep
+from engine.events import TrainEvents
+from engine.muon import Muon
+from engine.nonfinite import NonFiniteGradientError, NonFiniteGuard, PendingStep
+from engine.trainer import create_trainer
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 pytestmark = pytest.mark.usefixtures("gate")  # every test with both update gates

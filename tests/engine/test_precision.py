@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import create_trainer, resolve_device, resolve_precision
+from engine.precision import resolve_device, resolve_precision
+from engine.trainer import create_trainer
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 

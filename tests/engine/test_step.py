@@ -12,9 +12,11 @@ from ignite.engine import Events
 from torch import nn
 from torch.nn.utils import clip_grad_norm_, get_total_norm
 
-from engine import Muon, TrainEvents, create_trainer
 from engine.batch import move_to_device
+from engine.events import TrainEvents
+from engine.muon import Muon
 from engine.step import window_position
+from engine.trainer import create_trainer
 
 AUTOCAST_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 def muon(model: nn.Sequential) -> Muon:

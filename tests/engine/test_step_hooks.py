@@ -7,7 +7,8 @@ import torch
 from ignite.engine import Events
 from torch import nn
 
-from engine import TrainEvents, create_trainer
+from engine.events import TrainEvents
+from engine.trainer import create_trainer
 
 BATCHES = [(torch.full((2, 3), float(i)), torch.ones(2, 1)) for i in range(8)]
 

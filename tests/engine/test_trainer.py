@@ -7,8 +7,9 @@ from ignite.engine import State
 from ignite.metrics import Accuracy, Loss
 from torch import nn
 
-from engine import Trainer, TrainEvents, create_evaluator, create_trainer
 from engine.batch import supervised_predict
+from engine.events import TrainEvents
+from engine.trainer import Trainer, create_evaluator, create_trainer
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 

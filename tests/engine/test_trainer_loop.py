@@ -11,8 +11,8 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
-from engine import Trainer
 from engine.precision import resolve_precision
+from engine.trainer import Trainer
 
 # Every event Ignite fires, in no particular order.
 ALL_EVENTS = (

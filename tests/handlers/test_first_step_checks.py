@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import create_trainer
+from engine.trainer import create_trainer
 from handlers.first_step_checks import FirstStepCheckError, FirstStepChecks
 
 

@@ -9,7 +9,7 @@ import torch
 from ignite.engine import Events
 from torch import nn
 
-from engine import create_trainer
+from engine.trainer import create_trainer
 from handlers.graceful_stop import GracefulStop
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,7 +155,7 @@ import os, signal, sys
 import torch
 from ignite.engine import Events
 from torch import nn
-from engine import create_trainer
+from engine.trainer import create_trainer
 from handlers.graceful_stop import GracefulStop
 from recipes.runner.console import speak_for_libraries
 

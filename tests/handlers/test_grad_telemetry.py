@@ -7,8 +7,9 @@ import torch
 from ignite.engine import Events
 from torch import nn
 
-from engine import Trainer, create_trainer, resolve_precision
 from engine.nonfinite import NonFiniteGuard, PendingStep
+from engine.precision import resolve_precision
+from engine.trainer import Trainer, create_trainer
 from handlers.grad_telemetry import GradientTelemetry
 
 # One entry per micro-batch. A window's last micro-batch carries the step's pre-clip norm

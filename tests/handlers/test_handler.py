@@ -2,20 +2,18 @@ import inspect
 
 import pytest
 
-from handlers import (
-    Checkpointer,
-    EarlyStopping,
-    GradientTelemetry,
-    Lookahead,
-    LRSchedulerHandler,
-    Progress,
-    RunLogger,
-    WeightAveraging,
-)
+from handlers.checkpoint.checkpointer import Checkpointer
+from handlers.early_stopping import EarlyStopping
 from handlers.first_step_checks import FirstStepChecks
 from handlers.graceful_stop import GracefulStop
+from handlers.grad_telemetry import GradientTelemetry
 from handlers.history import RunHistory
+from handlers.lookahead import Lookahead
+from handlers.lr_scheduling import LRSchedulerHandler
+from handlers.progress import Progress
+from handlers.run_logger import RunLogger
 from handlers.spike_guard import SpikeGuard
+from handlers.weight_averaging import WeightAveraging
 
 HANDLERS = [Checkpointer, EarlyStopping, GracefulStop, GradientTelemetry, Lookahead,
             LRSchedulerHandler, Progress, RunHistory, RunLogger, SpikeGuard, FirstStepChecks,

@@ -6,7 +6,9 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
-from engine import Trainer, TrainEvents, resolve_precision
+from engine.events import TrainEvents
+from engine.precision import resolve_precision
+from engine.trainer import Trainer
 from handlers.grad_telemetry import GradientTelemetry
 from handlers.history import RunHistory
 

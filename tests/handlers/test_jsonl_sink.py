@@ -9,7 +9,7 @@ from ignite.engine import Events
 from ignite.metrics import Loss
 from torch import nn
 
-from engine import create_evaluator, create_trainer
+from engine.trainer import create_evaluator, create_trainer
 from handlers.grad_telemetry import GradientTelemetry
 from handlers.jsonl_sink import JsonLinesSink
 from handlers.run_logger import RunLogger

@@ -2,7 +2,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine import Trainer, TrainEvents, resolve_precision
+from engine.events import TrainEvents
+from engine.precision import resolve_precision
+from engine.trainer import Trainer
 from handlers.lookahead import Lookahead
 
 EPOCH_LENGTH = 3

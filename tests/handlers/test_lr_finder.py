@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from ignite.engine import Events
 from torch import nn
 
-from engine import RngState, TrainEvents, create_trainer
+from engine.events import TrainEvents
+from engine.run_state import RngState
+from engine.trainer import create_trainer
 from handlers.lr_finder import RULE, LRFinderResult, find_lr, plot_lr_find
 
 

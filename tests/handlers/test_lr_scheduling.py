@@ -8,7 +8,8 @@ from ignite.engine import Engine, Events
 from torch import nn
 from torch.optim import lr_scheduler
 
-from engine import TrainEvents, create_trainer
+from engine.events import TrainEvents
+from engine.trainer import create_trainer
 from handlers.lr_scheduling import (
     SCHEDULER_NAMES,
     LRSchedulerHandler,

@@ -15,7 +15,7 @@ import torch
 from ignite.engine import Engine, Events
 from torch.profiler import record_function
 
-from engine import TrainEvents
+from engine.events import TrainEvents
 from handlers.profiler import StepProfiler
 
 REPO = Path(__file__).resolve().parents[2]

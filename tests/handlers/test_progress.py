@@ -7,7 +7,8 @@ from ignite.engine import Engine, Events
 from torch import nn
 
 import handlers.progress as progress_module
-from engine import TrainEvents, create_trainer
+from engine.events import TrainEvents
+from engine.trainer import create_trainer
 from handlers.cost import CostMeter
 from handlers.goal import Goal
 from handlers.grad_telemetry import GradientTelemetry

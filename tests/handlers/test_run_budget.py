@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import create_trainer
+from engine.trainer import create_trainer
 from handlers.run_budget import RunBudget
 
 BATCHES_PER_EPOCH = 8  # with accum_steps=3 the windows are iterations 1-3, 4-6 and 7-8

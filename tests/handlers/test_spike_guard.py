@@ -7,7 +7,9 @@ from ignite.engine import Events
 from torch import nn
 
 import engine.trainer
-from engine import RngState, TrainEvents, create_trainer
+from engine.events import TrainEvents
+from engine.run_state import RngState
+from engine.trainer import create_trainer
 from engine.update_gate import MaskedGate
 from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.spike_guard import LossSpikeError, SpikeGuard

@@ -8,7 +8,7 @@ from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 from torch import nn
 
 import handlers.run_logger as run_logger_module
-from engine import create_evaluator, create_trainer
+from engine.trainer import create_evaluator, create_trainer
 from handlers.cost import CostMeter
 from handlers.event_file import read_events
 from handlers.grad_telemetry import GradientTelemetry, TelemetryReport

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from ignite.engine import Engine, Events
 from torch import nn
 
-from engine import RngState, TrainEvents, create_trainer
+from engine.events import TrainEvents
+from engine.run_state import RngState
+from engine.trainer import create_trainer
 from handlers.weight_averaging import WeightAveraging
 
 BATCHES_PER_EPOCH = 5

@@ -2,8 +2,9 @@
 
 Every recipe has ``evaluate``, ``consolidate`` (``commands.consolidate``) and ``sweep``
 (``recipes.runner.sweep``: a search of its keys, trials trained as runs); a recipe adds
-its own in ``Recipe.commands`` (every recipe: ``export``, ``commands.export``; cifar and
-images: ``predict``, charlm: ``generate``). Each loads the trained model through
+its own in the module ``Recipe.commands`` names (every recipe: ``export``,
+``commands.export``; cifar and images: ``predict``, charlm: ``generate``). Each loads the
+trained model through
 ``recipes.runner.commands.trained.load_trained`` (``consolidate``: the checkpoint alone) and writes
 nothing in the run folder except ``evaluate``'s JSON in ``<run>/evaluations/`` and
 ``export``'s and ``consolidate``'s files in ``<run>/export/``. A write the disk refuses (a
@@ -14,7 +15,7 @@ exit 4, as a failed checkpoint save ends training.
 import time
 from collections.abc import Callable
 
-from engine import create_evaluator
+from engine.trainer import create_evaluator
 from recipes.runner.api import Recipe
 from recipes.runner.commands.command_parser import CommandParser, writing
 from recipes.runner.commands.consolidate import consolidate
@@ -29,7 +30,7 @@ VALIDATION = "validation"
 
 def commands_of(recipe: Recipe) -> dict[str, Callable[[Recipe, list[str]], int]]:
     return {"evaluate": evaluate, "consolidate": consolidate, "sweep": sweep_command,
-            **recipe.commands}
+            **recipe.after_training()[0]}
 
 
 def run_command(recipe: Recipe, name: str, args: list[str]) -> int:
@@ -53,7 +54,8 @@ def evaluate(recipe: Recipe, args: list[str]) -> int:
     (its test-time augmentation included): printed and written to
     ``<run>/evaluations/<checkpoint>-<split>.json``."""
     parser = CommandParser(recipe, "evaluate", evaluate.__doc__)
-    parser.add_argument("--split", choices=(VALIDATION, *recipe.eval_splits), default=VALIDATION,
+    splits = recipe.after_training()[1]
+    parser.add_argument("--split", choices=(VALIDATION, *splits), default=VALIDATION,
                         help="the data to evaluate on (default: the run's validation split)")
     options = parser.parse_args(args)
     trained = load_trained(recipe, options.source, options.checkpoint, options.device,

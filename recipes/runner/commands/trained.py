@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from handlers import CheckpointError
-from handlers.checkpoint.files import checkpoint_in, is_checkpoint
+from handlers.checkpoint.files import CheckpointError, checkpoint_in, is_checkpoint
 from handlers.checkpoint.formats import read_checkpoint
 from recipes.runner.api import Context, Parts, Recipe
 from recipes.runner.config.command_line import ConfigError, validate
@@ -92,7 +91,7 @@ def load_trained(recipe: Recipe, source: str, checkpoint: str = "best",
                  device: str | None = None, split: str = "validation") -> Trained:
     """Verify and load the checkpoint of ``source`` and rebuild the recipe's model with it,
     on ``device`` (default: the run's own ``--device``); the parts' validation batches are
-    those of ``split`` (validation, or one of ``recipe.eval_splits``)."""
+    those of ``split`` (validation, or one of the recipe's ``EVAL_SPLITS``)."""
     if checkpoint not in CHECKPOINTS:
         raise ConfigError(f"--checkpoint: {checkpoint!r} is not allowed; choose one of: "
                           f"{', '.join(CHECKPOINTS)}")
@@ -110,7 +109,7 @@ def load_trained(recipe: Recipe, source: str, checkpoint: str = "best",
     data = recipe.load_data(config)
     _note_data_change(fingerprint, recipe.fingerprint(data))
     if split != "validation":
-        data = recipe.eval_splits[split](data)
+        data = recipe.after_training()[1][split](data)
     torch.manual_seed(config.seed)  # as the run built its parts
     random.seed(config.seed)
     parts = recipe.build(config, data, Context(resolved, 0, 1, run_dir))

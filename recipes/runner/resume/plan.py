@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine import new_run_id
+from engine.run_state import new_run_id
 from handlers.checkpoint.files import committed_checkpoints
 from recipes.runner.config.command_line import FOLDER_KEYS, ConfigError, resume_overrides
 from recipes.runner.config.run_keys import RunConfig

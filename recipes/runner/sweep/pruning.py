@@ -15,7 +15,7 @@ from typing import Any
 
 from ignite.engine import Engine, Events
 
-from engine import Trainer
+from engine.trainer import Trainer
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
 
 STATE_NAME = "sweep_pruning"  # its entry in the run's checkpoints

@@ -10,9 +10,10 @@ import ignite.distributed as idist
 import torch
 from ignite.engine import Engine
 
-from engine import Trainer, create_evaluator, create_trainer, resolve_precision
-from handlers import optimizer_steps_per_epoch
+from engine.precision import resolve_precision
+from engine.trainer import Trainer, create_evaluator, create_trainer
 from handlers.cost import CostMeter, device_peak_flops
+from handlers.lr_scheduling import optimizer_steps_per_epoch
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.training.init_from import load_init_weights

@@ -28,8 +28,8 @@ import ignite.distributed as idist
 import torch
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-from engine import resolve_device
-from handlers import CheckpointError
+from engine.precision import resolve_device
+from handlers.checkpoint.files import CheckpointError
 from recipes.runner.config.command_line import ConfigError, ExitCode
 from recipes.runner.config.errors import USER_ERRORS
 from recipes.runner.console import warn

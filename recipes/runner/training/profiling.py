@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from engine import Trainer
+from engine.trainer import Trainer
 from handlers.profiler import StepProfiler
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.config.run_keys import RunConfig, profile_window

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from engine import resolve_precision
+from engine.precision import resolve_precision
 from handlers.checkpoint.files import checkpoint_in
 from handlers.progress import best_so_far, divergence, format_duration
 from recipes.runner.api import Recipe

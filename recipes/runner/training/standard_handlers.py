@@ -18,26 +18,24 @@ from typing import Any, TextIO
 from ignite.engine import Engine, Events
 from torch import nn
 
-from engine import RngState, Trainer, TrainEvents
-from handlers import (
-    Checkpointer,
-    EarlyStopping,
-    Goal,
-    GradientTelemetry,
-    Handler,
-    LRSchedulerHandler,
-    Progress,
-    RunLogger,
-    build_scheduler,
-)
+from engine.events import TrainEvents
+from engine.run_state import RngState
+from engine.trainer import Trainer
+from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.checkpoint.formats import format_for
 from handlers.cost import CostMeter
+from handlers.early_stopping import EarlyStopping
 from handlers.first_step_checks import FirstStepChecks
+from handlers.goal import Goal
 from handlers.graceful_stop import GracefulStop
+from handlers.grad_telemetry import GradientTelemetry
+from handlers.handler import Handler
 from handlers.history import RunHistory
 from handlers.jsonl_sink import JsonLinesSink
-from handlers.progress import Evaluations
+from handlers.lr_scheduling import LRSchedulerHandler, build_scheduler
+from handlers.progress import Evaluations, Progress
 from handlers.run_budget import RunBudget
+from handlers.run_logger import RunLogger
 from handlers.spike_guard import SpikeAction, SpikeGuard
 from handlers.tensorboard import TensorBoardSink
 from handlers.time_left import EvaluationSchedule

@@ -13,7 +13,7 @@ from typing import Any
 
 import ignite.distributed as idist
 
-from engine import resolve_precision
+from engine.precision import resolve_precision
 from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.config.run_keys import RunConfig

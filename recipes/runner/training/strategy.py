@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from engine import Precision, resolve_precision
+from engine.precision import Precision, resolve_precision
 from recipes.runner.config.command_line import ConfigError
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from typing import Any
 # state to close, and a run in a sweep's process leaves nothing behind.
 from matplotlib.figure import Figure
 
-from engine import Trainer
+from engine.trainer import Trainer
 from handlers.history import RunHistory
 from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ExitCode

@@ -6,9 +6,11 @@ from typing import Any
 
 import ignite.distributed as idist
 
-from engine import NonFiniteGradientError, Trainer, resolve_precision
-from handlers import CheckpointError, continue_with_new_settings
-from handlers.lr_scheduling import set_new_peak_lr
+from engine.nonfinite import NonFiniteGradientError
+from engine.precision import resolve_precision
+from engine.trainer import Trainer
+from handlers.checkpoint.files import CheckpointError
+from handlers.lr_scheduling import continue_with_new_settings, set_new_peak_lr
 from handlers.spike_guard import LossSpikeError
 from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ExitCode

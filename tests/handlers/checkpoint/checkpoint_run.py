@@ -16,8 +16,9 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
-from engine import Trainer, TrainEvents, create_trainer
+from engine.events import TrainEvents
 from engine.run_state import RngState
+from engine.trainer import Trainer, create_trainer
 from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.checkpoint.files import CheckpointError
 from handlers.checkpoint.formats import read_checkpoint

@@ -21,7 +21,7 @@ from ignite.engine import Engine
 from torch import nn
 
 import handlers.checkpoint.files as checkpoint_files
-from engine import create_trainer
+from engine.trainer import create_trainer
 from handlers.atomic_write import current_umask, write_atomically
 from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.checkpoint.formats import read_checkpoint

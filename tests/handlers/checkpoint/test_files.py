@@ -15,7 +15,7 @@ import torch
 import torch.serialization
 from torch import nn
 
-from engine import create_trainer
+from engine.trainer import create_trainer
 from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.checkpoint.crash_points import CrashPoints
 from handlers.checkpoint.files import (

@@ -11,8 +11,9 @@ import torch
 from ignite.engine import Events
 from torch import nn
 
-from engine import Trainer, TrainEvents, create_trainer
+from engine.events import TrainEvents
 from engine.run_state import RngState
+from engine.trainer import Trainer, create_trainer
 from handlers.checkpoint.checkpointer import Checkpointer
 
 

@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.fsdp import fully_shard
 
 import handlers.checkpoint.sharded as sharded_checkpoint
-from engine import Trainer, create_trainer
 from engine.run_state import RngState
+from engine.trainer import Trainer, create_trainer
 from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.checkpoint.crash_points import CRASH_PHASES, CrashPoints
 from handlers.checkpoint.files import CheckpointError, SingleFile

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine import Muon, create_evaluator
+from engine.muon import Muon
+from engine.trainer import create_evaluator
 from recipes.__main__ import main
 from recipes.charlm.model import GPT
 from recipes.charlm.recipe import Config, build, load_data, next_byte_logits

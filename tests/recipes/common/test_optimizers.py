@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import Muon
+from engine.muon import Muon
 from recipes.charlm import recipe as charlm
 from recipes.charlm.model import GPT
 from recipes.cifar.model import AirbenchNet, cifar_resnet18

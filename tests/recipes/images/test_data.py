@@ -9,7 +9,8 @@ import torch
 from ignite.engine import Events
 from torch import nn
 
-from engine import TrainEvents, create_trainer
+from engine.events import TrainEvents
+from engine.trainer import create_trainer
 from recipes.common.data_order import IndexBatches
 from recipes.common.image_files import read_image
 from recipes.images.data import (

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ import torch
 from ignite.engine import Events
 from PIL import Image
 
-from engine import create_evaluator
+from engine.trainer import create_evaluator
 from recipes.__main__ import main
 from recipes.cifar.data import make_synthetic
 from recipes.runner.commands.dispatch import run_command
@@ -312,22 +313,27 @@ def test_a_read_only_run_folder_is_one_line_naming_the_file_and_exit_4(
     assert digests(cifar_run) == before
 
 
-def with_command(failure: BaseException):
+def with_command(failure: BaseException, monkeypatch):
     def command(recipe, args):
         raise failure
 
-    return dataclasses.replace(load_recipe("charlm"), commands={"fails": command})
+    module = types.ModuleType("failing_commands")
+    module.COMMANDS = {"fails": command}
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return dataclasses.replace(load_recipe("charlm"), commands=module.__name__)
 
 
-def test_a_refused_write_that_reaches_the_command_line_is_exit_4_naming_the_file(capsys):
+def test_a_refused_write_that_reaches_the_command_line_is_exit_4_naming_the_file(capsys,
+                                                                               monkeypatch):
     refused = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "out/x.json")
-    assert run_command(with_command(refused), "fails", []) == 4
+    assert run_command(with_command(refused, monkeypatch), "fails", []) == 4
     assert capsys.readouterr().err == "error: fails: out/x.json: No space left on device\n"
 
 
-def test_a_closed_stdout_is_left_to_the_command_line_not_called_a_disk_error():
+def test_a_closed_stdout_is_left_to_the_command_line_not_called_a_disk_error(monkeypatch):
     with pytest.raises(BrokenPipeError):  # python -m recipes ends it quietly, exit 141
-        run_command(with_command(BrokenPipeError(errno.EPIPE, "Broken pipe")), "fails", [])
+        closed = BrokenPipeError(errno.EPIPE, "Broken pipe")
+        run_command(with_command(closed, monkeypatch), "fails", [])
 
 
 FULL_DISK_EXPORT = """

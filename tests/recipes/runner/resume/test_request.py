@@ -11,7 +11,7 @@ import torch
 from ignite.engine import Engine
 from torch import nn
 
-from engine import create_trainer
+from engine.trainer import create_trainer
 from handlers.checkpoint import sharded as sharded_checkpoint
 from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.checkpoint.crash_points import CrashPoints

@@ -10,8 +10,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from handlers import CheckpointError
-from handlers.checkpoint.files import SingleFile
+from handlers.checkpoint.files import CheckpointError, SingleFile
 from handlers.checkpoint.formats import format_for
 from handlers.checkpoint.sharded import ShardedFolder
 from recipes.__main__ import main

@@ -24,8 +24,9 @@ import torch
 from ignite.metrics import Accuracy, Loss
 from torch import nn
 
-from engine import create_evaluator, new_run_id
-from handlers import read_checkpoint
+from engine.run_state import new_run_id
+from engine.trainer import create_evaluator
+from handlers.checkpoint.formats import read_checkpoint
 from recipes.__main__ import main as cli
 from recipes.cifar import model as models
 from recipes.cifar import recipe as cifar

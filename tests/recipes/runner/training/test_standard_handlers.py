@@ -4,7 +4,7 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 
-from engine import TrainEvents
+from engine.events import TrainEvents
 from recipes.__main__ import main
 from recipes.runner.training.standard_handlers import METRICS_FILE, Evaluation
 from tests.helpers import CHARLM, write_text

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import new_run_id
-from handlers import read_checkpoint
+from engine.run_state import new_run_id
 from handlers.checkpoint.files import checkpoint_in
+from handlers.checkpoint.formats import read_checkpoint
 from recipes.__main__ import main
 from recipes.charlm import recipe as charlm
 from recipes.cifar import recipe as cifar

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine import NonFiniteGradientError
-from handlers import CheckpointError
+from engine.nonfinite import NonFiniteGradientError
+from handlers.checkpoint.files import CheckpointError
 from handlers.spike_guard import LossSpikeError
 from recipes.runner.training.train import _run_to_the_end
 
