@@ -8,6 +8,8 @@ or the new one, whole; after it returns, the new file and its name survive a pow
 zip writer reports a full disk as a ``RuntimeError``).
 """
 
+import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -78,3 +80,22 @@ def os_error_behind(error: BaseException) -> OSError | None:
         seen.add(id(link))
         link = link.__cause__ or link.__context__
     return None
+
+
+def _strict_json(value: Any) -> Any:
+    """NaN and infinities as null: strict JSON has no spelling for them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(item) for item in value]
+    return value
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as sorted, indented JSON through ``write_atomically`` (temp file,
+    fsync, rename, fsync of the folder): readers never see half a file, and once written it
+    survives a power cut as a checkpoint does. Non-finite numbers are written as null."""
+    text = json.dumps(_strict_json(payload), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    write_atomically(path, lambda file: file.write(text.encode()))

@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _with_torch(action: Callable[..., int], *args: Any) -> int:
     """``action(*args)``, with exit code 2 and one line for what it refuses as the user's
     mistake. Torch loads from here on."""
-    from recipes.runner.config.errors import USER_ERRORS
+    from recipes.runner.training.launch import USER_ERRORS
 
     try:
         return action(*args)

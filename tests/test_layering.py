@@ -3,9 +3,14 @@ recipes, the handlers import no recipe, the run layer (``recipes.runner``) impor
 config neither its training nor its commands,
 a recipe imports no other, and no two of the project's modules import each other, however
 indirectly. Every import counts, those inside a function or under ``if TYPE_CHECKING:``
-included: a deferred import still ties the two modules together."""
+included: a deferred import still ties the two modules together. And, from a run: what a
+training start imports before its first backward (its story, and nothing of the commands
+after training)."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +146,48 @@ def test_imported_test_modules_finds_a_test_module_and_a_conftest(tmp_path):
 def test_no_test_module_imports_another():
     assert {str(path.relative_to(ROOT)): found for path in sorted((ROOT / "tests").rglob("*.py"))
             if (found := imported_test_modules(path))} == {}
+
+
+# What a training start reads: the project's modules imported when its first backward runs.
+FIRST_BACKWARD_PROBE = """
+import os, runpy, sys
+import torch
+
+def first_backward(self, *args, **kwargs):
+    with open(os.environ["MODULES_OUT"], "w") as out:
+        out.write("\\n".join(sorted(name for name, module in list(sys.modules.items())
+                                    if (getattr(module, "__file__", None) or "")
+                                    .startswith(os.environ["PROJECT_ROOT"]))))
+    os._exit(0)
+
+torch.Tensor.backward = first_backward
+sys.argv = ["recipes", *sys.argv[1:]]
+runpy.run_module("recipes", run_name="__main__")
+"""
+# Loaded only by what a training start never does: a command after training, --lr-find,
+# --profile, a sweep.
+NOT_IN_A_START = ("recipes.runner.commands", "recipes.runner.sweep", "recipes.cifar.commands",
+                  "recipes.common.predict", "handlers.lr_finder", "handlers.profiler")
+# The files of recipes/ (package __init__ files aside) a CIFAR start imports: the run layer's
+# story, the recipe and the parts recipes share. Measured: 34; a new room in the story has
+# to make room.
+START_FILES = 34
+
+
+def test_a_cifar_start_reads_its_story_and_nothing_after_training(tmp_path):
+    out = tmp_path / "modules.txt"
+    result = subprocess.run(
+        [sys.executable, "-c", FIRST_BACKWARD_PROBE, "cifar", "--dataset", "synthetic",
+         "--train-subset", "64", "--val-subset", "32", "--batch-size", "32", "--accum-steps",
+         "1", "--epochs", "1", "--progress", "off", "--device", "cpu", "--run-dir",
+         str(tmp_path / "run")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "MODULES_OUT": str(out),
+             "PROJECT_ROOT": str(ROOT) + "/", "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    modules = out.read_text().split()
+    assert "engine.trainer" in modules  # the probe saw the run
+    assert [name for name in modules if name.startswith(NOT_IN_A_START)] == []
+    files = [name for name in modules if name.startswith("recipes.")
+             and not (ROOT / name.replace(".", "/") / "__init__.py").exists()]
+    assert len(files) <= START_FILES, files

@@ -29,7 +29,7 @@ from engine.trainer import Trainer, create_evaluator
 from recipes.cifar.recipe import Config
 from recipes.runner.api import RunPlan
 from recipes.runner.training.standard_handlers import Evaluation, RunSite, attach_standard_handlers
-from recipes.runner.training.tracking import open_tracker, tracker_sinks
+from recipes.runner.training.train import open_tracker, tracker_sinks
 
 
 class RecipeHandlers:

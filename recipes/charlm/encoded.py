@@ -26,12 +26,11 @@ from typing import BinaryIO
 
 import torch
 
-from handlers.atomic_write import write_atomically
+from handlers.atomic_write import write_atomically, write_json_atomic
 from recipes.charlm.config import STDLIB
 from recipes.charlm.text import Segment
 from recipes.common.paths import CACHE_ENV, cache_root
-from recipes.runner.config.errors import DataError
-from recipes.runner.training.folder import write_json_atomic
+from recipes.runner.config.command_line import DataError
 
 FORMAT = 1  # bump when the encoding or the listing changes: older files are then encoded again
 CHUNK = 16 * 2**20  # bytes copied or hashed at a time: memory stays flat for any text size

@@ -26,8 +26,7 @@ from recipes.charlm.text import cap, split_text
 from recipes.common.data_order import IndexBatches, OrderedBatches
 from recipes.common.optimizers import build_optimizer
 from recipes.runner.api import Context, Parts, Recipe
-from recipes.runner.config.command_line import ConfigError
-from recipes.runner.config.errors import DataError
+from recipes.runner.config.command_line import ConfigError, DataError
 from recipes.runner.training.strategy import is_sharded
 
 logger = logging.getLogger(__name__)

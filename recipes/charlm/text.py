@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.charlm.config import STDLIB
-from recipes.runner.config.errors import DataError
+from recipes.runner.config.command_line import DataError
 
 # Not the standard library's own code: installed packages and test suites.
 SKIPPED_STDLIB_FOLDERS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}

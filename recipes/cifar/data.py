@@ -30,7 +30,7 @@ from handlers.arguments import check_int, check_number
 from handlers.atomic_write import write_atomically
 from recipes.common.image_files import class_names, list_class_folder, read_image
 from recipes.common.paths import cache_root, data_dir_candidates, places_looked_in
-from recipes.runner.config.errors import DataError
+from recipes.runner.config.command_line import DataError
 
 IMAGE_SHAPE = (3, 32, 32)
 PYTHON_BATCHES_FOLDER = "cifar-10-batches-py"  # torchvision's layout under data_dir

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from recipes.runner.config.errors import DataError
+from recipes.runner.config.command_line import DataError
 
 # Pillow reads all of them; compared in lower case, so "CAT.JPG" is an image too.
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")

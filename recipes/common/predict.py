@@ -26,7 +26,7 @@ from recipes.common.image_files import IMAGE_SUFFIXES, has_image_suffix, read_im
 from recipes.runner.api import Recipe
 from recipes.runner.commands.command_parser import CommandParser, output_path, positive_int, writing
 from recipes.runner.commands.trained import Trained, load_trained
-from recipes.runner.config.errors import DataError
+from recipes.runner.config.command_line import DataError
 
 ImageBatch = Callable[[Trained, list[torch.Tensor]], Any]  # uint8 [3,H,W] images -> a batch
 CHUNK = 64  # images per forward

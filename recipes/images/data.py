@@ -32,7 +32,7 @@ from handlers.arguments import check_int
 from recipes.common.data_order import check_rank, epoch_order, mix_seed
 from recipes.common.image_files import IMAGE_SUFFIXES, class_names, list_class_folder, read_image
 from recipes.images.config import SMALL_IMAGE_MAX
-from recipes.runner.config.errors import DataError
+from recipes.runner.config.command_line import DataError
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from recipes.images.data import (
 )
 from recipes.images.pretrained import pretrained_classifier, read_pretrained, weights_file
 from recipes.runner.api import Context, Parts, Recipe
-from recipes.runner.config.errors import DataError
+from recipes.runner.config.command_line import DataError
 from recipes.runner.training.fingerprint import fingerprint_files
 
 

@@ -6,11 +6,12 @@ recipes to them), the rest of its folders are private and free to change:
 
 - ``api``: what a recipe declares (``Recipe``, ``Parts``, ``Context``, ``RunPlan``);
 - ``config.run_keys`` (``RunConfig``), ``config.command_line`` (``field``, ``ConfigError``,
-  ``ExitCode``), ``config.errors`` (``DataError``), ``config.file``, ``config.registry``:
+  ``DataError``, ``ExitCode``), ``config.file``, ``config.registry``:
   the typed keys and the user errors, torch-free, so that ``python -m recipes`` checks the
   command line before torch loads;
 - ``training.run`` (``run``), ``training.modes``, ``training.fingerprint``,
-  ``training.folder``, ``training.init_from``, ``training.strategy``: the run;
+  ``training.init_from``, ``training.strategy``, ``training.launch`` (``USER_ERRORS``, the
+  errors that are the user's to mend: exit 2): the run;
 - ``commands.command_parser``, ``commands.dispatch``, ``commands.export``,
   ``commands.trained``: the commands next to training;
 - ``console``: the voice every line is said in.

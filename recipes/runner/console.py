@@ -9,10 +9,22 @@ Ignite's handlers do, ``ConsoleVoice`` speaks in this voice
 (``speak_for_libraries``): INFO as a plain line on stdout, WARNING as ``warning: ...`` and
 ERROR as ``error: ...`` on stderr, each above an open progress bar. Every process installs
 it; a process other than rank 0 speaks only its errors, since all ranks log the same events.
+
+A printed command (a next step, the command that continues a run) names the Python that runs
+it (``interpreter``), so that it runs as printed: ``python -m recipes ...`` fails outside an
+activated virtual environment, since the project's packages are in ``.venv``. It is named
+relative to the working folder when it lies under it (``.venv/bin/python``), by the word the
+user typed when that finds the same interpreter on PATH (an activated environment), else by
+its absolute path.
 """
 
+import contextlib
 import logging
+import os
+import shlex
+import shutil
 import sys
+from pathlib import Path
 
 LIBRARIES = ("engine", "handlers", "recipes")  # the loggers whose records the voice speaks
 
@@ -61,3 +73,26 @@ def speak_for_libraries(rank: int = 0) -> None:
         logger.setLevel(level)
         if not any(isinstance(handler, ConsoleVoice) for handler in logger.handlers):
             logger.addHandler(ConsoleVoice())
+
+
+def interpreter() -> str:
+    """This process's Python as a command word that runs it again from this folder."""
+    executable = Path(os.path.abspath(sys.executable))  # a venv's link, not its target
+    try:
+        return shlex.quote(str(executable.relative_to(Path.cwd())))
+    except ValueError:
+        pass
+    typed = sys.orig_argv[0] if sys.orig_argv else ""
+    found = shutil.which(typed) if typed else None
+    if found is not None and Path(os.path.abspath(found)) == executable:
+        return shlex.quote(typed)
+    return shlex.quote(str(executable))
+
+
+def recipes_command(recipe: str) -> str:
+    """``<interpreter> -m recipes <recipe>``: the start of a printed command. ``recipe`` is a
+    name, or the path of a recipe file (shown from the working directory when inside it)."""
+    if recipe.endswith(".py"):
+        with contextlib.suppress(ValueError):  # outside the working directory: as given
+            recipe = str(Path(recipe).resolve().relative_to(Path.cwd()))
+    return f"{interpreter()} -m recipes {shlex.quote(recipe)}"

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from engine.trainer import create_evaluator
+from handlers.atomic_write import write_json_atomic
 from recipes.runner.api import Recipe
 from recipes.runner.commands.command_parser import CommandParser, writing
 from recipes.runner.commands.consolidate import consolidate
@@ -23,7 +24,6 @@ from recipes.runner.commands.trained import Trained, load_trained
 from recipes.runner.config.command_line import ConfigError, ExitCode
 from recipes.runner.console import say, warn
 from recipes.runner.sweep import sweep_command
-from recipes.runner.training.folder import write_json_atomic
 
 VALIDATION = "validation"
 

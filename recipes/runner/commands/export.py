@@ -32,13 +32,12 @@ import safetensors.torch
 import torch
 from torch.export import Dim
 
-from handlers.atomic_write import write_atomically
+from handlers.atomic_write import write_atomically, write_json_atomic
 from recipes.runner.api import Recipe
 from recipes.runner.commands.command_parser import CommandParser, output_path, writing
 from recipes.runner.commands.export_onnx import largest_onnx_difference, require_onnx, to_onnx
 from recipes.runner.commands.trained import Trained, load_trained
 from recipes.runner.console import say
-from recipes.runner.training.folder import write_json_atomic
 
 FORMATS = {"pt2": ".pt2", "safetensors": ".safetensors", "onnx": ".onnx"}
 CHECKED_SAMPLES = 256  # of the first validation batch, run through both the model and its export

@@ -21,6 +21,11 @@ class ConfigError(ValueError):
     """A config key or value that is not allowed; the message is one line for the user."""
 
 
+class DataError(RuntimeError):
+    """The data is missing, unreadable or malformed; the message names the file or folder
+    and what is expected."""
+
+
 class ExitCode(IntEnum):
     """The exit status of ``python -m recipes``, a training run or a command after it; the
     table in docs/reference.md (#exit-codes) says the same. 130, 138 and 143 are

@@ -43,8 +43,7 @@ from recipes.runner.config.command_line import (
     parse_args,
     unknown_key,
 )
-from recipes.runner.config.interpreter import recipes_command
-from recipes.runner.console import warn
+from recipes.runner.console import recipes_command, warn
 
 # What a run folder's config.json holds besides its keys: they describe that run.
 RUN_RECORD = ("recipe", "run_id", "data", "environment", "init_from")

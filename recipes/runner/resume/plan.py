@@ -13,7 +13,8 @@ verifies) and the ``--init-from`` weights the plan names.
 The rules (README, "Resuming"):
 
 - torchrun restarted the group: ``--resume auto``, whatever the first start asked (a file
-  would go back to an older step, ``never`` would start the run over; ``elastic.py``);
+  would go back to an older step, ``never`` would start the run over;
+  ``recipes.runner.training.launch``);
 - a command that names no folder continues the newest run of the same keys
   (``same_run.py``); ``--resume never`` starts a new one; keys
   taken from a run folder's config.json never find that run itself (they start one of
@@ -36,16 +37,15 @@ from engine.run_state import new_run_id
 from handlers.checkpoint.files import committed_checkpoints
 from recipes.runner.config.command_line import FOLDER_KEYS, ConfigError, resume_overrides
 from recipes.runner.config.run_keys import RunConfig
-from recipes.runner.resume.elastic import restart_count
-from recipes.runner.resume.request import saved_in_checkpoints, without_requests
+from recipes.runner.resume.request import read_saved_config, saved_in_checkpoints, without_requests
 from recipes.runner.resume.same_run import (
     RUN_REQUESTS,
     new_timestamp_folder,
     newest_same_run,
     report_if_complete,
+    resolve_run_dir,
 )
-from recipes.runner.training.folder import read_saved_config, resolve_run_dir
-from recipes.runner.training.launch import launched_by_torchrun
+from recipes.runner.training.launch import launched_by_torchrun, restart_count
 
 CONTINUE, FRESH, COMPLETE = "continue", "fresh", "complete"
 TRAIN_AGAIN = "--resume never (a new timestamped folder) or a --run-name"

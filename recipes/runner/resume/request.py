@@ -8,6 +8,7 @@ every checkpoint of the run "from another run".
 """
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +69,16 @@ def check_resume_file(resume: str, run_id: str) -> None:
     except CheckpointError as error:
         raise ConfigError(f"--resume: {error}; a checkpoint resumes only in its own run "
                           "folder (its --run-name or --run-dir)") from None
+
+
+def read_saved_config(run_dir: Path) -> dict[str, Any] | None:
+    """The ``config.json`` of an earlier start of this run, or None for a new run."""
+    path = run_dir / "config.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"{path} is unreadable ({error}); fix it or use another --run-name"
+        ) from None

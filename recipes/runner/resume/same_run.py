@@ -18,12 +18,12 @@ import json
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from recipes.runner.config.interpreter import interpreter
 from recipes.runner.config.run_keys import RunConfig
-from recipes.runner.training.folder import resolve_run_dir
+from recipes.runner.console import interpreter
 
 # Keys that ask something of this start, or place its output, without changing what is
 # trained: two commands that differ only in these are the same run (a run stopped by
@@ -83,6 +83,13 @@ def newest_same_run(recipe: str, config: RunConfig, not_run: str = "") -> Path |
 def _age(folder: Path) -> tuple[str, int]:
     stamp, clash = TIMESTAMP.fullmatch(folder.name).groups()
     return stamp, int(clash or 1)
+
+
+def resolve_run_dir(recipe: str, run_name: str, run_dir: str) -> Path:
+    """``run_dir`` when given, else ``runs/<recipe>/<run_name or a timestamp>``."""
+    if run_dir:
+        return Path(run_dir).expanduser()
+    return Path("runs") / recipe / (run_name or time.strftime("%Y%m%d-%H%M%S"))
 
 
 def new_timestamp_folder(recipe: str) -> Path:

@@ -12,8 +12,7 @@ import shlex
 
 from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ConfigError, ExitCode
-from recipes.runner.config.interpreter import recipes_command
-from recipes.runner.console import say
+from recipes.runner.console import recipes_command, say
 from recipes.runner.resume.same_run import continue_command
 from recipes.runner.sweep.options import SweepOptions, parse_options
 from recipes.runner.sweep.status import status_lines

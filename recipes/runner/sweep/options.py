@@ -13,9 +13,8 @@ from recipes.runner.config.command_line import ConfigError, flag_name
 from recipes.runner.config.file import parse_start
 from recipes.runner.config.run_keys import check_run_name
 from recipes.runner.resume.request import stored_config
-from recipes.runner.resume.same_run import RUN_REQUESTS
+from recipes.runner.resume.same_run import RUN_REQUESTS, resolve_run_dir
 from recipes.runner.sweep.search_space import Search, parse_searches
-from recipes.runner.training.folder import resolve_run_dir
 
 PRUNER_NAMES = ("median", "none")
 SAMPLER_NAMES = ("tpe", "random")

@@ -13,7 +13,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from handlers.progress import format_duration
 from recipes.runner.config.command_line import flag_name
-from recipes.runner.config.interpreter import recipes_command
+from recipes.runner.console import recipes_command
 from recipes.runner.sweep.claims import FOLDER, held_by_a_live_worker, trial_folder
 from recipes.runner.sweep.search_space import shown_param
 from recipes.runner.sweep.trials import SURPLUS

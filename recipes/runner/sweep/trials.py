@@ -20,11 +20,11 @@ from optuna.trial import TrialState
 from handlers.graceful_stop import EXIT_CODES as STOP_EXIT_CODES
 from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ExitCode, flag_name, validate
-from recipes.runner.config.errors import USER_ERRORS
 from recipes.runner.console import say, warn
 from recipes.runner.sweep.claims import claim, name_place, orphans, trial_folder
 from recipes.runner.sweep.pruning import TrialPruning, with_pruning
 from recipes.runner.sweep.search_space import Search, shown_param
+from recipes.runner.training.launch import USER_ERRORS
 from recipes.runner.training.run import run
 
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)

@@ -4,7 +4,7 @@ and evaluator, and every handler attached (the standard ones, averaging, the pro
 import random
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ignite.distributed as idist
 import torch
@@ -15,10 +15,9 @@ from engine.trainer import Trainer, create_evaluator, create_trainer
 from handlers.cost import CostMeter, device_peak_flops
 from handlers.lr_scheduling import optimizer_steps_per_epoch
 from recipes.runner.api import Context, Parts, Recipe, RunPlan
-from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.config.run_keys import RunConfig, profile_window
 from recipes.runner.training.init_from import load_init_weights
 from recipes.runner.training.launch import process_device
-from recipes.runner.training.profiling import attach_profiler
 from recipes.runner.training.standard_handlers import (
     TRAIN_DATA,
     Evaluation,
@@ -29,6 +28,11 @@ from recipes.runner.training.standard_handlers import (
 )
 from recipes.runner.training.start_checks import Started
 from recipes.runner.training.strategy import distributor, evaluate_unsharded, is_sharded
+
+if TYPE_CHECKING:
+    from handlers.profiler import StepProfiler
+
+TRACES = "profile"  # in the run folder: trace-steps-FIRST-LAST.json.gz
 
 
 def build_parts(recipe: Recipe, config: RunConfig, data: Any, run_dir: Path, init_from: str = ""
@@ -100,3 +104,17 @@ def cost_meter(config: RunConfig, ctx: Context, parts: Parts) -> CostMeter:
                      flops_per_sample=parts.model_flops,
                      tokens_per_sample=parts.tokens_per_sample,
                      peak_flops=device_peak_flops(ctx.device, number_format))
+
+
+def attach_profiler(config: RunConfig, trainer: Trainer, run_dir: Path,
+                    device: torch.device) -> "StepProfiler | None":
+    """The profiler of ``--profile``, attached after every other handler (its window closes
+    once the step's handlers ran); None when the key is off."""
+    window = profile_window(config.profile)
+    if window is None:
+        return None
+    from handlers.profiler import StepProfiler  # torch.profiler: loaded for --profile only
+
+    profiler = StepProfiler(*window, run_dir / TRACES, cuda=device.type == "cuda")
+    profiler.attach(trainer)
+    return profiler

@@ -13,12 +13,16 @@ import ignite.distributed as idist
 from handlers.graceful_stop import EXIT_CODES as STOP_EXIT_CODES
 from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ConfigError, ExitCode
-from recipes.runner.config.errors import USER_ERRORS
 from recipes.runner.config.registry import load_recipe, recipe_ref
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say, speak_for_libraries, warn
 from recipes.runner.resume.plan import COMPLETE, plan_resume
-from recipes.runner.training.launch import process_device, rank_zero_exit_code, share_machine
+from recipes.runner.training.launch import (
+    USER_ERRORS,
+    process_device,
+    rank_zero_exit_code,
+    share_machine,
+)
 from recipes.runner.training.lock import RunLock
 from recipes.runner.training.start_checks import FolderWriteError, Started, setup
 from recipes.runner.training.train import train

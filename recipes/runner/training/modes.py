@@ -12,14 +12,13 @@ from typing import Any
 
 from ignite.engine import Engine, Events
 
-from handlers.lr_finder import find_lr, plot_lr_find
 from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say
 from recipes.runner.resume.plan import fresh_init_from
+from recipes.runner.resume.same_run import resolve_run_dir
 from recipes.runner.training.build import build_parts, build_run
-from recipes.runner.training.folder import resolve_run_dir
 from recipes.runner.training.launch import launched_by_torchrun
 from recipes.runner.training.lock import RunLock
 from recipes.runner.training.start_checks import Started, check_recipe_keys
@@ -34,6 +33,8 @@ def find_lr_run(recipe: Recipe, config: RunConfig) -> int:
     """``--lr-find``: an LR range test on the run's data and step (accumulation, precision and
     clipping as configured); prints the suggested peak LR and writes ``lr_find.png`` in the
     run folder. Trains nothing and leaves no checkpoint or config.json."""
+    from handlers.lr_finder import find_lr, plot_lr_find  # a training start never needs them
+
     check_recipe_keys(recipe, config)
     check_strategy(recipe, config)
     run_dir = resolve_run_dir(recipe.name, config.run_name, config.run_dir)

@@ -1,6 +1,7 @@
-"""What a run prints besides its progress: a header at the start (what runs, where, on
-what) and the end (how it ended, the best checkpoint, the summary, the next commands).
-The raw numbers stay in ``summary.json``; these lines are for the person watching."""
+"""What a run tells besides its progress: a header at the start (what runs, where, on what)
+and the end (how it ended, the best checkpoint, the summary, the next commands), for the
+person watching; and, on rank 0, the files that keep the raw numbers: ``summary.json``
+(with the environment record) and the training curves (``curves.png``)."""
 
 import json
 import math
@@ -8,18 +9,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# A Figure of its own, not pyplot: no backend or display to pick (servers, CI), no global
+# state to close, and a run in a sweep's process leaves nothing behind.
+from matplotlib.figure import Figure
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from engine.precision import resolve_precision
+from engine.trainer import Trainer
+from handlers.atomic_write import write_json_atomic
 from handlers.checkpoint.files import checkpoint_in
+from handlers.history import RunHistory
 from handlers.progress import best_so_far, divergence, format_duration
 from recipes.runner.api import Recipe
-from recipes.runner.config.interpreter import recipes_command
+from recipes.runner.config.command_line import ExitCode
+from recipes.runner.config.registry import recipe_ref
 from recipes.runner.config.run_keys import RunConfig
-from recipes.runner.console import say
+from recipes.runner.console import recipes_command, say, warn
 from recipes.runner.training.standard_handlers import StandardHandlers
+from recipes.runner.training.start_checks import Started
 
+PANEL_INCHES = 5  # the width of each panel of curves.png
 TENSORBOARD = "make tensorboard (then open http://127.0.0.1:6006)"
 # The recipe keys that say where the data comes from, when a recipe has them.
 DATA_KEYS = ("dataset", "data_dir", "text")
@@ -124,3 +135,72 @@ def closing(recipe_name: str, summary: dict[str, Any], run_dir: Path,
                      f"--epochs {2 * epochs} (continues this run, its LR schedule "
                      f"re-planned for {2 * epochs} epochs)")
     return lines
+
+
+def write_summary(recipe: Recipe, trainer: Trainer, handlers: StandardHandlers,
+                  started: Started, status: str, environment: dict[str, Any], *,
+                  disk_error_told: bool = False) -> int:
+    """Print the closing lines, write ``summary.json`` (with the environment record) and the
+    curves; 4 when the disk refuses them, with an error line unless ``disk_error_told``: the
+    run's one line already said that the disk refused a checkpoint or the logs."""
+    if status == "completed":
+        status = requested_stop(handlers) or status
+    history, early_stopping = handlers.history, handlers.early_stopping
+    history.stopped_early = bool(early_stopping and early_stopping.stopped_early)
+    summary = {"status": status, "run_id": started.run_id, **history.summary(trainer)}
+    if handlers.spike_guard is not None:
+        summary |= handlers.spike_guard.summary()
+    summary |= handlers.cost.summary(summary["samples_per_sec"])
+    print_closing(recipe_ref(recipe), summary, started.run_dir, handlers)  # a file: its path
+    summary["environment"] = environment
+    try:  # the disk that failed a checkpoint may fail these too: the checkpoints matter
+        write_json_atomic(started.run_dir / "summary.json", summary)
+        plot_curves(history, started.run_dir / "curves.png",
+                    title=f"{recipe.name} {started.run_dir.name}")
+    except OSError as error:
+        if not disk_error_told:
+            warn(f"error: could not write the summary or curves in {started.run_dir}: "
+                 f"{error.strerror or error}")
+        return ExitCode.DISK
+    return ExitCode.DONE
+
+
+def requested_stop(handlers: StandardHandlers) -> str | None:
+    """Why a handler of the recipe's own (``Parts.attach_extra``) ended the run before its
+    last epoch, by request, when one did: its ``stop_status`` (a sweep's pruned trial says
+    ``pruned at step N``). Read where the status is decided, so that summary.json and the
+    closing line say it and a later start of the run, which the handler ends at once, says
+    it again."""
+    return next((status for handler in handlers.extra.values()
+                 if (status := getattr(handler, "stop_status", None))), None)
+
+
+def plot_curves(history: RunHistory, path: Path, title: str) -> None:
+    """Panels on the optimizer-step axis: loss (train, and validation when the recipe
+    reports a ``loss``), each other validation metric of ``history.modes``, learning rate."""
+    train, val = history.train, history.val
+    others = [name for name in history.modes if name != "loss"]
+    width = PANEL_INCHES * (2 + len(others))
+    fig = Figure(figsize=(width, 4))
+    # Fixed margins in inches rather than tight_layout, which measures every tick label and
+    # took 0.2 s of a run's 0.5 s of drawing (a sweep draws once a trial).
+    fig.subplots_adjust(left=0.7 / width, right=1 - 0.25 / width, bottom=0.13, top=0.84,
+                        wspace=0.25)
+    axes = fig.subplots(1, 2 + len(others))
+    loss_ax, lr_ax = axes[0], axes[-1]
+    loss_ax.plot(train["step"], train["loss"], label="train (interval mean)")
+    if "loss" in val:
+        loss_ax.plot(val["step"], val["loss"], "o-", label="validation")
+    loss_ax.set(title="loss", xlabel="optimizer step", yscale="log")
+    loss_ax.legend()
+    for name, ax in zip(others, axes[1:-1], strict=True):
+        if name in val:
+            ax.plot(val["step"], val[name], "o-")
+        better = "higher" if history.modes[name] == "max" else "lower"
+        ax.set(title=f"validation {name} ({better} is better)", xlabel="optimizer step")
+    lr_ax.plot(train["step"], train["lr"])
+    lr_ax.set(title="learning rate", xlabel="optimizer step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=90)

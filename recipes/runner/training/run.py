@@ -17,15 +17,16 @@ from recipes.runner.config.command_line import ExitCode
 from recipes.runner.config.registry import recipe_ref
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say, warn
-from recipes.runner.resume.elastic import how_to_continue, warn_if_store_shared
 from recipes.runner.resume.plan import COMPLETE, plan_resume
 from recipes.runner.resume.same_run import continue_command
 from recipes.runner.training.group import join_group, train_process
 from recipes.runner.training.launch import (
     exit_process,
+    how_to_continue,
     launched_by_torchrun,
     spawn,
     torchrun_group,
+    warn_if_store_shared,
 )
 from recipes.runner.training.modes import overfit_run
 from recipes.runner.training.peers import unless_peer_lost

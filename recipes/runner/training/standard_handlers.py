@@ -43,7 +43,7 @@ from handlers.weight_averaging import WeightAveraging
 from recipes.runner.api import RunPlan
 from recipes.runner.config.command_line import ConfigError, group_values
 from recipes.runner.config.run_keys import RunConfig, max_time_seconds
-from recipes.runner.training.checkpoint_strategy import save_wrapper
+from recipes.runner.training.strategy import save_wrapper
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ that refuses those first writes (full, a file size limit) is a ``FolderWriteErro
 for a refused checkpoint save, the folder's earlier files untouched (``config.json`` is
 written through a temp file)."""
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,21 +15,19 @@ from typing import Any
 import ignite.distributed as idist
 
 from engine.precision import resolve_precision
+from handlers.atomic_write import write_json_atomic
 from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ConfigError
-from recipes.runner.config.run_keys import RunConfig
+from recipes.runner.config.run_keys import RunConfig, profile_window
 from recipes.runner.console import say
 from recipes.runner.resume.plan import ResumePlan
 from recipes.runner.resume.request import check_resume_file, stored_config
-from recipes.runner.training.checkpoint_strategy import refuse_other_format
 from recipes.runner.training.environment import environment_record
 from recipes.runner.training.fingerprint import describe_change
-from recipes.runner.training.folder import write_json_atomic
 from recipes.runner.training.init_from import plan_init_from
 from recipes.runner.training.launch import launched_by_torchrun, plan_launch, process_device
 from recipes.runner.training.lock import RunLock
-from recipes.runner.training.profiling import check_profile_window
-from recipes.runner.training.strategy import check_strategy
+from recipes.runner.training.strategy import check_strategy, refuse_other_format
 from recipes.runner.training.trackers import check_tracker
 
 
@@ -153,3 +152,19 @@ def data_change(saved: dict | None, fingerprint: dict[str, Any], allowed: bool) 
                           "--allow-data-change true to continue on the new data, or start a "
                           "new run (another --run-name)")
     return [f"override: data changed ({change}), allowed by --allow-data-change"]
+
+
+def check_profile_window(config: RunConfig, train_samples: int) -> None:
+    """Refuse a window that ends after the run's last optimizer step. The steps are counted
+    from the training samples as ``ceil(samples / batch size)`` micro-batches an epoch: a
+    recipe whose batches drop a short last one has up to one step fewer an epoch, and a
+    window reaching into those closes with the run."""
+    window = profile_window(config.profile)
+    if window is None:
+        return
+    micro_batches = math.ceil(train_samples / config.batch_size)
+    steps = math.ceil(micro_batches / config.accum_steps) * config.epochs
+    if window[1] > steps:
+        epochs = f"{config.epochs} epoch{'s' * (config.epochs != 1)}"
+        raise ConfigError(f"--profile {config.profile}: the run has {steps} optimizer steps "
+                          f"({epochs}); the window must end by step {steps}")

@@ -1,7 +1,12 @@
 """The run itself, in each process: build it, load the checkpoint its plan names, train to
-the end (or to a stop), and on rank 0 write the summary; returns an ``ExitCode``."""
+the end (or to a stop), and on rank 0 write the summary; returns an ``ExitCode``.
+
+The run's experiment tracker (``--tracker``, ``recipes.runner.training.trackers``) is opened
+on rank 0 before the handlers are built and finished once the summary and curves are
+written."""
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import ignite.distributed as idist
@@ -16,15 +21,17 @@ from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ExitCode
 from recipes.runner.config.run_keys import RunConfig
 from recipes.runner.console import say, warn
+from recipes.runner.resume.request import stored_config
 from recipes.runner.training.build import build_run
-from recipes.runner.training.environment import environment_record
+from recipes.runner.training.environment import REPO, environment_record, git_revision
 from recipes.runner.training.launch import process_device
-from recipes.runner.training.report import print_header
+from recipes.runner.training.report import print_header, write_summary
 from recipes.runner.training.standard_handlers import StandardHandlers
 from recipes.runner.training.start_checks import Started
 from recipes.runner.training.strategy import strategy_line
-from recipes.runner.training.summary import write_summary
-from recipes.runner.training.tracking import close_tracker, open_tracker, tracker_sinks
+from recipes.runner.training.trackers import TrackedRun, Tracker, start_tracker
+
+ARTIFACTS = ("checkpoints/best.pt", "curves.png")  # in the run folder and the tracker's run
 
 
 def train(recipe: Recipe, config: RunConfig, started: Started) -> int:
@@ -135,3 +142,28 @@ def replanned_line(saved: dict, config: RunConfig, step: int, reached: float, no
     how = ("the LR plateau had reached, times the new --lr over the old" if clock == "metric"
            else "where a fresh run with these values would be")
     return f"LR schedule: {changed}: from step {step} on, lr {reached:.4g} -> {now:.4g} ({how})"
+
+
+def open_tracker(recipe: str, config: RunConfig, run_dir: Path, run_id: str
+                 ) -> Tracker | None:
+    """The tracker's run for this run folder; None for ``--tracker none`` or when the tracker
+    cannot be reached (it said so in one line)."""
+    if config.tracker == "none":
+        return None
+    return start_tracker(config, TrackedRun(run_dir, run_id, recipe, stored_config(config),
+                                            git_revision(REPO)))
+
+
+def tracker_sinks(tracker: Tracker | None) -> dict[str, Any]:
+    """The scalar sinks the run's logger adds for the tracker (``RunSite.sinks``)."""
+    return {} if tracker is None else {"tracker": tracker.sink}
+
+
+def close_tracker(tracker: Tracker | None, status: str, run_dir: Path) -> None:
+    """The best checkpoint and the curves as artifacts, and the run's end status; then the
+    tracker's closing line under the run's (where its run went, how to browse it)."""
+    if tracker is not None:
+        tracker.finish(status, {name: run_dir / name for name in ARTIFACTS})
+        line = tracker.closing_line()
+        if line:
+            say(line, flush=True)

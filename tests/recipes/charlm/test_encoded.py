@@ -11,7 +11,7 @@ from recipes.charlm import encoded
 from recipes.charlm.recipe import Config, build, load_data
 from recipes.charlm.text import Segment
 from recipes.runner.api import Context
-from recipes.runner.config.errors import DataError
+from recipes.runner.config.command_line import DataError
 from tests.helpers import write_text_folder
 
 # Digests of the batches that charlm gave for these texts and seed 3 when it read the files

@@ -13,7 +13,7 @@ from recipes.common.image_files import (
     list_class_folder,
     read_image,
 )
-from recipes.runner.config.errors import DataError
+from recipes.runner.config.command_line import DataError
 
 
 def test_every_suffix_either_recipe_accepted_is_an_image_in_any_case(tmp_path):

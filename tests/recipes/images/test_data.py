@@ -25,7 +25,7 @@ from recipes.images.data import (
     list_image_folders,
     train_transform,
 )
-from recipes.runner.config.errors import DataError
+from recipes.runner.config.command_line import DataError
 
 # The filter in recipes.images.data is reset by pytest's own warning capture.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")

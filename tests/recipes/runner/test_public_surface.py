@@ -12,9 +12,9 @@ import recipes
 RECIPES = Path(recipes.__file__).parent
 RUNNER = RECIPES / "runner"
 PUBLIC = {f"recipes.runner.{name}" for name in (
-    "api", "console", "config.command_line", "config.errors", "config.file",
+    "api", "console", "config.command_line", "config.file",
     "config.registry", "config.run_keys", "training.run", "training.modes",
-    "training.fingerprint", "training.folder", "training.init_from", "training.strategy",
+    "training.fingerprint", "training.init_from", "training.launch", "training.strategy",
     "commands.command_parser", "commands.dispatch", "commands.export", "commands.trained")}
 
 

@@ -33,9 +33,9 @@ from typing import Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+from handlers.atomic_write import write_json_atomic
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.console import warn
-from recipes.runner.training.folder import write_json_atomic
 from recipes.runner.training.trackers import TrackedRun, saved_state, unwritable
 
 DEFAULT_STORE = "mlruns"  # in the working directory, beside runs/

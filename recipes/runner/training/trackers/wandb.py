@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from handlers.atomic_write import write_json_atomic
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.console import warn
-from recipes.runner.training.folder import write_json_atomic
 from recipes.runner.training.trackers import TrackedRun, saved_state, unwritable
 
 STATE_FILE = "wandb.json"  # in the run folder: the W&B run that a resume continues

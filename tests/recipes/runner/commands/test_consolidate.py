@@ -16,8 +16,8 @@ import torch
 from handlers.checkpoint.formats import read_checkpoint
 from recipes.__main__ import main
 from recipes.runner.commands.trained import load_trained
-from recipes.runner.config.interpreter import interpreter
 from recipes.runner.config.registry import load_recipe
+from recipes.runner.console import interpreter
 from tests.helpers import (
     CHARLM_RUN,
     RunsCodeWhenUnpickled,

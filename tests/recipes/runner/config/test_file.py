@@ -22,8 +22,8 @@ from recipes.runner.config.file import (
     parse_command_line,
     parse_start,
 )
-from recipes.runner.config.interpreter import interpreter
 from recipes.runner.config.registry import find_recipes, recipe_keys
+from recipes.runner.console import interpreter
 from recipes.runner.resume.request import REQUEST_KEYS
 from tests.helpers import CHARLM, digests, one_error_line, write_text
 

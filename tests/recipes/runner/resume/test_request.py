@@ -12,6 +12,7 @@ from ignite.engine import Engine
 from torch import nn
 
 from engine.trainer import create_trainer
+from handlers.atomic_write import write_json_atomic
 from handlers.checkpoint import sharded as sharded_checkpoint
 from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.checkpoint.crash_points import CrashPoints
@@ -21,6 +22,7 @@ from handlers.goal import Goal
 from recipes.runner.config.command_line import ConfigError
 from recipes.runner.resume.request import (
     check_resume_file,
+    read_saved_config,
     saved_in_checkpoints,
     stored_config,
     without_requests,
@@ -161,3 +163,23 @@ def test_a_sharded_checkpoints_config_is_read_without_gathering_its_shards(shard
 
 def test_a_sharded_resume_folder_is_verified_without_gathering_its_shards(sharded_run):
     check_resume_file(str(sharded_run / "step-00000001.dcp"), "run-a")
+
+
+def test_read_saved_config_of_a_new_run_is_none(tmp_path):
+    assert read_saved_config(tmp_path / "missing") is None
+    assert read_saved_config(tmp_path) is None
+
+
+def test_read_saved_config_roundtrip(tmp_path):
+    payload = {"run_id": "r-1", "config": {"lr": 0.2, "clip": None}}
+    write_json_atomic(tmp_path / "config.json", payload)
+    assert read_saved_config(tmp_path) == payload
+
+
+def test_an_unreadable_saved_config_is_a_one_line_config_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"run_id": ')
+    with pytest.raises(ConfigError) as error:
+        read_saved_config(tmp_path)
+    message = str(error.value)
+    assert str(tmp_path / "config.json") in message and "unreadable" in message
+    assert "\n" not in message

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from recipes.__main__ import main
+from recipes.runner.config.run_keys import check_run_name
 from recipes.runner.resume.plan import CONTINUE, FRESH, plan_resume
-from recipes.runner.resume.same_run import continue_command
+from recipes.runner.resume.same_run import continue_command, resolve_run_dir
 from recipes.runner.training.group import join_group
 from recipes.runner.training.lock import RunLock
 from tests.helpers import (
@@ -330,3 +331,48 @@ def test_the_same_torchrun_command_again_continues_its_run_then_reports_it_compl
     assert reported.returncode == 0, reported.stderr
     assert reported.stdout.count(f"the run is already complete: runs/charlm/{folder} ") == 1
     assert digests(run_dir) == before and run_folders(tmp_path) == [folder]
+
+
+@pytest.mark.parametrize("name", ["", "r1", "lr-0.2_bs512", "A" * 64, "2024.01.01", "x.."])
+def test_good_run_names(name):
+    assert check_run_name(name) is None
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("..", "must start with a letter or digit"),
+    ("a/b", "may only hold"),
+    ("../escape", "must start with a letter or digit"),
+    ("/abs", "must start with a letter or digit"),
+    (".hidden", "must start with a letter or digit"),
+    ("-flag", "must start with a letter or digit"),
+    ("has space", "may only hold"),
+    ("tab\there", "may only hold"),
+    ("new\nline", "may only hold"),
+    ("ümlaut", "may only hold"),
+    ("A" * 65, "at most 64 characters, got 65"),
+])
+def test_bad_run_names_are_explained(name, problem):
+    message = check_run_name(name)
+    assert message is not None and problem in message
+
+
+def test_the_run_folder_is_runs_recipe_name():
+    assert resolve_run_dir("cifar", "r1", "") == Path("runs/cifar/r1")
+
+
+def test_an_empty_run_name_is_a_timestamp():
+    run_dir = resolve_run_dir("cifar", "", "")
+    assert run_dir.parent == Path("runs/cifar")
+    assert re.fullmatch(r"\d{8}-\d{6}", run_dir.name)
+
+
+def test_run_dir_wins_over_run_name_and_expands_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_run_dir("cifar", "r1", "/elsewhere/x") == Path("/elsewhere/x")
+    assert resolve_run_dir("cifar", "r1", "~/x") == tmp_path / "x"
+
+
+def test_resolving_creates_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    resolve_run_dir("cifar", "r1", "")
+    assert list(tmp_path.iterdir()) == []

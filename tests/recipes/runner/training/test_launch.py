@@ -32,8 +32,16 @@ from recipes.cifar import model as models
 from recipes.cifar import recipe as cifar
 from recipes.cifar.batches import EvalBatches
 from recipes.cifar.model import TTA_PREDICTS
-from recipes.runner.config.errors import DataError
-from recipes.runner.training.launch import process_device, rank_zero_exit_code, share_machine, spawn
+from recipes.runner.config.command_line import DataError
+from recipes.runner.training.launch import (
+    SHARED_STORE_HINT,
+    how_to_continue,
+    process_device,
+    rank_zero_exit_code,
+    share_machine,
+    spawn,
+    warn_if_store_shared,
+)
 from recipes.runner.training.start_checks import Started
 from recipes.runner.training.train import train
 from tests.helpers import TINY_AIRBENCH_RUN
@@ -382,3 +390,32 @@ def test_accumulation_across_two_processes_matches_one_process(tmp_path):
     for name in weights_one:
         torch.testing.assert_close(weights_two[name], weights_one[name], rtol=0, atol=1e-5)
     assert _summary(two.run_dir)["optimizer_steps"] == _summary(one.run_dir)["optimizer_steps"] == 4
+
+
+def torchrun_start(monkeypatch, rank: int, restart: int, max_restarts: int, shared: bool
+                   ) -> None:
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", str(max_restarts))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(shared))
+
+
+@pytest.mark.parametrize("rank, restart, max_restarts, shared, warned", [
+    (0, 0, 1, True, True), (1, 0, 1, True, False), (0, 1, 1, True, False),
+    (0, 0, 0, True, False), (0, 0, 1, False, False)])
+def test_rank_zero_of_a_first_start_warns_when_restarts_share_torchruns_store(
+        rank, restart, max_restarts, shared, warned, monkeypatch, capsys):
+    torchrun_start(monkeypatch, rank, restart, max_restarts, shared)
+    warn_if_store_shared()
+    assert capsys.readouterr().err == (SHARED_STORE_HINT + "\n" if warned else "")
+
+
+@pytest.mark.parametrize("restart, max_restarts, expected", [
+    (0, 0, "to continue the run, run the same torchrun command again on every machine"),
+    (1, 1, "to continue the run, run the same torchrun command again on every machine"),
+    (0, 2, "torchrun starts the group again (2 restart(s) left); where a machine's torchrun "
+           "is gone, run the same torchrun command there again")])
+def test_a_stopped_group_is_continued_by_torchrun_while_it_has_restarts_left(
+        restart, max_restarts, expected, monkeypatch):
+    torchrun_start(monkeypatch, 0, restart, max_restarts, False)
+    assert how_to_continue() == expected

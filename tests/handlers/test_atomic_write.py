@@ -1,3 +1,6 @@
+"""``handlers.atomic_write``: a JSON file written whole or not at all, and every atomic write of a
+run keeps the promise (fsync of the file before the rename, of the folder after)."""
+
 import json
 import os
 import re
@@ -5,55 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from handlers.atomic_write import write_json_atomic
 from recipes.__main__ import main
-from recipes.runner.config.command_line import ConfigError
-from recipes.runner.config.run_keys import check_run_name
-from recipes.runner.training.folder import read_saved_config, resolve_run_dir, write_json_atomic
-
-
-@pytest.mark.parametrize("name", ["", "r1", "lr-0.2_bs512", "A" * 64, "2024.01.01", "x.."])
-def test_good_run_names(name):
-    assert check_run_name(name) is None
-
-
-@pytest.mark.parametrize("name, problem", [
-    ("..", "must start with a letter or digit"),
-    ("a/b", "may only hold"),
-    ("../escape", "must start with a letter or digit"),
-    ("/abs", "must start with a letter or digit"),
-    (".hidden", "must start with a letter or digit"),
-    ("-flag", "must start with a letter or digit"),
-    ("has space", "may only hold"),
-    ("tab\there", "may only hold"),
-    ("new\nline", "may only hold"),
-    ("ümlaut", "may only hold"),
-    ("A" * 65, "at most 64 characters, got 65"),
-])
-def test_bad_run_names_are_explained(name, problem):
-    message = check_run_name(name)
-    assert message is not None and problem in message
-
-
-def test_the_run_folder_is_runs_recipe_name():
-    assert resolve_run_dir("cifar", "r1", "") == Path("runs/cifar/r1")
-
-
-def test_an_empty_run_name_is_a_timestamp():
-    run_dir = resolve_run_dir("cifar", "", "")
-    assert run_dir.parent == Path("runs/cifar")
-    assert re.fullmatch(r"\d{8}-\d{6}", run_dir.name)
-
-
-def test_run_dir_wins_over_run_name_and_expands_home(monkeypatch, tmp_path):
-    monkeypatch.setenv("HOME", str(tmp_path))
-    assert resolve_run_dir("cifar", "r1", "/elsewhere/x") == Path("/elsewhere/x")
-    assert resolve_run_dir("cifar", "r1", "~/x") == tmp_path / "x"
-
-
-def test_resolving_creates_nothing(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    resolve_run_dir("cifar", "r1", "")
-    assert list(tmp_path.iterdir()) == []
 
 
 def test_write_json_atomic_writes_sorted_json_and_leaves_no_temp_file(tmp_path):
@@ -136,23 +92,3 @@ def test_every_atomic_write_of_a_run_keeps_the_checkpoints_promise(tmp_path, mon
     assert {"config.json", "summary.json", "checkpoints/last.pt"} <= renamed
     assert any(re.fullmatch(r"checkpoints/(best-)?step-\d+\.pt", name) for name in renamed)
     assert broken_promises(events) == []
-
-
-def test_read_saved_config_of_a_new_run_is_none(tmp_path):
-    assert read_saved_config(tmp_path / "missing") is None
-    assert read_saved_config(tmp_path) is None
-
-
-def test_read_saved_config_roundtrip(tmp_path):
-    payload = {"run_id": "r-1", "config": {"lr": 0.2, "clip": None}}
-    write_json_atomic(tmp_path / "config.json", payload)
-    assert read_saved_config(tmp_path) == payload
-
-
-def test_an_unreadable_saved_config_is_a_one_line_config_error(tmp_path):
-    (tmp_path / "config.json").write_text('{"run_id": ')
-    with pytest.raises(ConfigError) as error:
-        read_saved_config(tmp_path)
-    message = str(error.value)
-    assert str(tmp_path / "config.json") in message and "unreadable" in message
-    assert "\n" not in message
