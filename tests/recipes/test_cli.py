@@ -29,7 +29,7 @@ from recipes.cifar.recipe import Config
 from recipes.common.paths import SHARED_DATA
 from recipes.runner.config.command_line import shown_value
 from recipes.runner.resume.request import REQUEST_KEYS
-from recipes.runner.training import summary
+from recipes.runner.training import report
 
 pytestmark = pytest.mark.filterwarnings(  # torchvision 0.29 deprecates its JPEG codecs
     "ignore:The image decoding and encoding capabilities:DeprecationWarning")
@@ -462,14 +462,14 @@ def test_resume_never_into_a_folder_with_checkpoints_exits_2(tiny_run, capsys):
 def test_a_summary_the_disk_refuses_is_one_error_line_and_exit_4(tmp_path, monkeypatch,
                                                                   capsys):
     monkeypatch.chdir(tmp_path)
-    write_json_atomic = summary.write_json_atomic
+    write_json_atomic = report.write_json_atomic
 
     def disk_full_for_the_summary(path: Path, data: dict) -> None:
         if path.name == "summary.json":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         write_json_atomic(path, data)
 
-    monkeypatch.setattr(summary, "write_json_atomic", disk_full_for_the_summary)
+    monkeypatch.setattr(report, "write_json_atomic", disk_full_for_the_summary)
     code = main(["cifar", *RESUMABLE, "--run-name", "full"])
     err = capsys.readouterr().err
     assert code == 4

@@ -17,8 +17,8 @@ import torch
 from recipes.__main__ import main
 from recipes.runner.config.registry import find_recipes, load_recipe
 from recipes.runner.training import lock as lock_module
+from recipes.runner.training import report as report_module
 from recipes.runner.training import start_checks
-from recipes.runner.training import summary as summary_module
 from recipes.runner.training.lock import RunLock
 from tests.helpers import CHARLM, RUN_RECIPE, digests, one_error_line, write_text
 
@@ -257,14 +257,14 @@ def test_a_full_disk_that_refuses_the_summary_too_is_still_one_line(tmp_path, mo
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").symlink_to("/dev/full")
-    write_json_atomic = summary_module.write_json_atomic
+    write_json_atomic = report_module.write_json_atomic
 
     def full_for_the_summary(path: Path, data: dict) -> None:
         if path.name == "summary.json":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         write_json_atomic(path, data)
 
-    monkeypatch.setattr(summary_module, "write_json_atomic", full_for_the_summary)
+    monkeypatch.setattr(report_module, "write_json_atomic", full_for_the_summary)
     code = main([*CHARLM, "--text", str(write_text(tmp_path / "corpus.txt")), "--run-dir",
                  str(run_dir), "--epochs", "1"])
 
