@@ -239,6 +239,7 @@ class RankZeroSave:
         if error is not None:
             raise error
 
+
 SHARED_STORE_HINT = (
     "warning: torchrun --max-restarts: a restarted group may fail to join while torchrun "
     "shares its store with the workers; start torchrun with "

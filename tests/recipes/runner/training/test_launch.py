@@ -377,7 +377,6 @@ def test_torchrun_starts_the_same_recipe(tmp_path):
     assert refused.stderr.count("already holds checkpoints") >= 2, refused.stderr
 
 
-
 @pytest.mark.slow
 def test_accumulation_across_two_processes_matches_one_process(tmp_path):
     """With accum_steps=3 (6 batches an epoch: windows 3,3) the micro-batches inside a
