@@ -7,7 +7,7 @@ verifies), the ``--resume`` request and torchrun's restart count, and returns a
 settled config (the caller's config is never written; the precedence of a key's values is
 docs/reference.md#precedence). The rest of the run layer carries the plan out: the start
 checks verify its checkpoint file and write its run id, every process loads the checkpoint
-``plan.config.resume`` names (``handlers.Checkpointer.resume``: ``auto`` is the newest that
+``plan.config.resume`` names (``Checkpointer.resume``: ``auto`` is the newest that
 verifies) and the ``--init-from`` weights the plan names.
 
 The rules (README, "Resuming"):

@@ -5,7 +5,7 @@ One start, in order (a file each): the resume plan decides what this start does
 (``resume/plan.py``); the start checks refuse what cannot run before anything is written,
 then lock and write the run folder (``start_checks.py``); the processes start (``launch.py``,
 ``group.py``); each builds the parts and trains (``build.py``, ``train.py``); rank 0 writes
-the summary (``summary.py``). The modes that train no run are in ``modes.py``. Exit codes:
+the summary and curves (``report.py``). The modes that train no run are in ``modes.py``. Exit codes:
 ``ExitCode`` (``recipes.runner.config.command_line``; docs/reference.md#exit-codes).
 """
 
