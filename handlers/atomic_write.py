@@ -5,7 +5,8 @@
 ``os.replace`` → fsync of the folder. A crash at any instant leaves either the previous file
 or the new one, whole; after it returns, the new file and its name survive a power cut.
 ``os_error_behind`` finds the ``OSError`` behind a writer's own exception (``torch.save``'s
-zip writer reports a full disk as a ``RuntimeError``).
+zip writer reports a full disk as a ``RuntimeError``). ``write_json_atomic`` writes a dict through
+it as sorted, indented, strict JSON (NaN and infinities as null).
 """
 
 import json

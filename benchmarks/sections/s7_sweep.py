@@ -117,6 +117,7 @@ def render(results: list[SweepResult]) -> str:
     """The repeats side by side, each sweep against its own trials; verdicts on the median
     of each ratio (sweep / target), the trials' table of the median repeat."""
     first = results[0]
+    repeats = "once" if len(results) == 1 else plural(len(results), "time")
     ratios = [[result.wall_seconds / result.budget(times) for times in result.columns()]
               for result in results]
     medians = [statistics.median(column) for column in zip(*ratios, strict=True)]
@@ -134,7 +135,8 @@ def render(results: list[SweepResult]) -> str:
 
 `python -m recipes charlm sweep --trials {first.trials}` on the tiny charlm job \
 ({plural(first.epochs, "epoch")} a trial, one thread, SQLite study in the sweep folder, \
-`--pruner none`), one command, {plural(len(results), "time")}; after each, the same \
+`--pruner none`), one command, {repeats}; after {"it" if len(results) == 1 else "each"}, \
+the same \
 {first.trials} trials one by one as plain `python -m recipes charlm ... --lr <its lr>` \
 commands, as a shell loop would run them. \
 Each sweep is held against the target of issue #47 (1.1 × the sum of its trials' run times \

@@ -14,5 +14,5 @@ recipes to them), the rest of its folders are private and free to change:
   errors that are the user's to mend: exit 2): the run;
 - ``commands.command_parser``, ``commands.dispatch``, ``commands.export``,
   ``commands.trained``: the commands next to training;
-- ``console``: the voice every line is said in.
+- ``console``: the voice every line is said in, and the Python a printed command names.
 """

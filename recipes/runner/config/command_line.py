@@ -4,7 +4,8 @@ A recipe's config is a dataclass; every field is a flag (`--batch-size 512` or
 `--batch-size=512`). Field metadata carries the help text, the checks and the key's group,
 so ``--help`` (in blocks by group), validation and error messages come from one place.
 Errors are a ``ConfigError`` with one line naming the key and what is allowed; the command
-line turns it into exit code 2 before anything touches the disk.
+line turns it into exit code 2 before anything touches the disk. A ``DataError`` is the
+data's (missing, unreadable, malformed): the user's to mend too, exit 2.
 """
 
 import dataclasses

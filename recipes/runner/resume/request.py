@@ -5,6 +5,9 @@ checkpoint, not from a file given once), a saved one is never taken back, and a 
 file named by ``--resume`` is verified before anything is written. When config.json is lost,
 the run's id and config come from its newest checkpoint that verifies: a new id would make
 every checkpoint of the run "from another run".
+
+``read_saved_config`` reads an earlier start's ``config.json`` (None for a new run; an
+unreadable one is a one-line ``ConfigError``).
 """
 
 import dataclasses

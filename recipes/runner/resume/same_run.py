@@ -1,7 +1,8 @@
 """Which run a command means, found on disk: the same command again continues its run, or says
 it is done (``plan.py`` decides which; these functions find the folders).
 
-A command with ``--run-name`` or ``--run-dir`` names its folder (the run layer resumes it,
+A command with ``--run-name`` or ``--run-dir`` names its folder (``resolve_run_dir``:
+``--run-dir``, else ``runs/<recipe>/<run-name>``; the run layer resumes it,
 or says there is nothing left to train). Without either, the run folder is the newest
 ``runs/<recipe>/<timestamp>`` whose ``config.json`` holds the same keys as this command
 (every key but ``RUN_REQUESTS``): an unfinished one is continued, and a new timestamped

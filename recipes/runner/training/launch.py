@@ -264,7 +264,8 @@ def how_to_continue() -> str:
 
 def warn_if_store_shared() -> None:
     """Under torchrun, before the group joins: rank 0 of a first start that allows restarts
-    warns when they may fail to join. (That a restart resumes ``auto`` is ``plan.py``'s.)"""
+    warns when they may fail to join. (That a restart resumes ``auto`` is
+    ``recipes.runner.resume.plan``'s.)"""
     count, rank = restart_count(), int(os.environ["RANK"])
     restarts_allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

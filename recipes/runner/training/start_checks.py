@@ -1,9 +1,9 @@
 """The checks of a start, before anything is written: the config against itself and the
-launch, the data against the run's, the checkpoint a resume names; then the lock and the run
-folder with its ``config.json``. A user error (exit 2) here leaves nothing on disk; a disk
-that refuses those first writes (full, a file size limit) is a ``FolderWriteError``, exit 4 as
-for a refused checkpoint save, the folder's earlier files untouched (``config.json`` is
-written through a temp file)."""
+launch (the ``--profile`` window against the run's length too), the data against the run's,
+the checkpoint a resume names; then the lock and the run folder with its ``config.json``. A
+user error (exit 2) here leaves nothing on disk; a disk that refuses those first writes
+(full, a file size limit) is a ``FolderWriteError``, exit 4 as for a refused checkpoint save,
+the folder's earlier files untouched (``config.json`` is written through a temp file)."""
 
 import math
 from collections.abc import Iterator

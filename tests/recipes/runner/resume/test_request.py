@@ -1,7 +1,8 @@
 """``--resume`` as a request of one start, in-process and without a command: config.json
 never keeps it, a lost config.json comes back from the newest checkpoint that verifies, and
 a checkpoint of another run is refused in one line. (``test_resume.py`` drives the same
-promises through whole commands.)"""
+promises through whole commands.) And ``read_saved_config``: a new run has none, an
+unreadable one is one line."""
 
 import dataclasses
 from pathlib import Path

@@ -1,6 +1,7 @@
 """The same command again continues its run: a run without ``--run-name`` is found again by
 its keys, a finished one is reported, ``--resume never`` starts anew, a stop prints the
-command that continues it, and ``make train`` takes such a stop for no error."""
+command that continues it, and ``make train`` takes such a stop for no error. Also where a
+run's folder is (``resolve_run_dir``) and which ``--run-name`` values are allowed."""
 
 import dataclasses
 import json

@@ -7,6 +7,9 @@ same weights; ``"tiny_bn"`` adds BatchNorm for the validation test. Faults (a Na
 output, an exception) are injected on one rank with a forward hook keyed on
 ``idist.get_rank()``. Each 2-process run starts two Python processes that import
 torch: these tests are marked slow (about 5 minutes on 2 free cores).
+
+Also, without processes: a first torchrun start that allows restarts warns while torchrun
+shares its store, and a stopped group is told what continues it.
 """
 
 import errno

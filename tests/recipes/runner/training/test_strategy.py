@@ -8,6 +8,9 @@ DDP all-reduces, so the weights agree to float rounding, not bit for bit; a resu
 run is bit-identical to an uninterrupted one. An FSDP run's checkpoints are sharded
 ``.dcp`` folders, compared here read whole (``read_checkpoint``), as a DDP run's ``.pt`` holds
 them.
+
+And how checkpoints take part by strategy: the save wrapper, every rank's saves failing
+together, and a checkpoint of the other strategy refused in one line.
 """
 
 import dataclasses
