@@ -536,7 +536,8 @@ def test_a_killed_run_rerun_with_the_same_command_ends_bit_identical(uninterrupt
                       weights_only=True)["meta"]["optimizer_step"] == 2
     resumed = run_cli(args, tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stdout and "iteration 2, step 2)" in resumed.stdout
+    # The default step is two micro-batches (iterations): step 2 ends at iteration 4.
+    assert "resumed from" in resumed.stdout and "iteration 4, step 2)" in resumed.stdout
     assert_bit_identical(final_weights(run_dir), uninterrupted)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["optimizer_steps"] == 8 and summary["epochs_completed"] == 2
