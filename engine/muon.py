@@ -152,6 +152,12 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"a use_muon group takes weights of 2 or more dimensions "
                                  f"(matrices, conv filters), got a parameter of shape {flat[0]}; "
                                  "put biases and norm parameters in an SGD group")
+            if group["params"] and shard_group(group["params"]) is None:
+                # Built now rather than in the first step: a compiled step traced while its
+                # stack is missing is another graph, which rounds the update differently in
+                # the last bit, and a resumed run (whose stacks are not saved) would take
+                # that graph where the uninterrupted run takes the steady one.
+                self._stack(list(group["params"]))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
