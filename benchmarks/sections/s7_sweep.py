@@ -136,10 +136,9 @@ def render(results: list[SweepResult]) -> str:
 `python -m recipes charlm sweep --trials {first.trials}` on the tiny charlm job \
 ({plural(first.epochs, "epoch")} a trial, one thread, SQLite study in the sweep folder, \
 `--pruner none`), one command, {repeats}; after {"it" if len(results) == 1 else "each"}, \
-the same \
-{first.trials} trials one by one as plain `python -m recipes charlm ... --lr <its lr>` \
-commands, as a shell loop would run them. \
-Each sweep is held against the target of issue #47 (1.1 × the sum of its trials' run times \
+the same {first.trials} trials one by one as plain `python -m recipes charlm ... --lr <its \
+lr>` commands, as a shell loop would run them. Each sweep is held against the target of \
+issue #47 (1.1 × the sum of its trials' run times \
 + 2 s a trial) with the trials' run times counted three ways: as their summary.json records \
 them (`wall_time_sec`: the training, its evaluations and saves), as their whole run inside the \
 sweep (Optuna's start to completion of the trial: the checks, the data, the model, the \

@@ -140,7 +140,8 @@ class Recipe:
     # command(recipe, args) -> exit code (predict, generate, export); its ``EVAL_SPLITS``, if
     # it has them, the splits besides validation that ``evaluate --split`` can name, each
     # mapping the data to the same data with that split in the validation split's place. A
-    # name, imported by ``after_training``: a training start never loads that code.
+    # name, imported by ``extra_commands`` and ``eval_splits``: a training start never
+    # loads that code.
     commands: str | None = None
     # Whether build honours --activation-checkpointing: a model of repeated blocks whose
     # forward may run again in the backward with the same result (no BatchNorm, whose
@@ -150,13 +151,15 @@ class Recipe:
     # --strategy fsdp shards one by one; None: the recipe runs under --strategy ddp only.
     blocks: Callable[[nn.Module], list[nn.Module]] | None = None
 
-    def after_training(self) -> tuple[Mapping[str, Callable[["Recipe", list[str]], int]],
-                                      Mapping[str, Callable[[Any], Any]]]:
-        """The ``COMMANDS`` and ``EVAL_SPLITS`` of the module ``commands`` names."""
+    def extra_commands(self) -> Mapping[str, Callable[["Recipe", list[str]], int]]:
+        """The ``COMMANDS`` of the module ``commands`` names."""
+        return {} if self.commands is None else importlib.import_module(self.commands).COMMANDS
+
+    def eval_splits(self) -> Mapping[str, Callable[[Any], Any]]:
+        """The ``EVAL_SPLITS`` of the module ``commands`` names, if it has them."""
         if self.commands is None:
-            return {}, {}
-        module = importlib.import_module(self.commands)
-        return module.COMMANDS, getattr(module, "EVAL_SPLITS", {})
+            return {}
+        return getattr(importlib.import_module(self.commands), "EVAL_SPLITS", {})
 
     def __post_init__(self) -> None:
         for name, mode in self.metrics.items():

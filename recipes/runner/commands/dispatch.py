@@ -30,7 +30,7 @@ VALIDATION = "validation"
 
 def commands_of(recipe: Recipe) -> dict[str, Callable[[Recipe, list[str]], int]]:
     return {"evaluate": evaluate, "consolidate": consolidate, "sweep": sweep_command,
-            **recipe.after_training()[0]}
+            **recipe.extra_commands()}
 
 
 def run_command(recipe: Recipe, name: str, args: list[str]) -> int:
@@ -54,8 +54,8 @@ def evaluate(recipe: Recipe, args: list[str]) -> int:
     (its test-time augmentation included): printed and written to
     ``<run>/evaluations/<checkpoint>-<split>.json``."""
     parser = CommandParser(recipe, "evaluate", evaluate.__doc__)
-    splits = recipe.after_training()[1]
-    parser.add_argument("--split", choices=(VALIDATION, *splits), default=VALIDATION,
+    parser.add_argument("--split", choices=(VALIDATION, *recipe.eval_splits()),
+                        default=VALIDATION,
                         help="the data to evaluate on (default: the run's validation split)")
     options = parser.parse_args(args)
     trained = load_trained(recipe, options.source, options.checkpoint, options.device,

@@ -91,7 +91,7 @@ def load_trained(recipe: Recipe, source: str, checkpoint: str = "best",
                  device: str | None = None, split: str = "validation") -> Trained:
     """Verify and load the checkpoint of ``source`` and rebuild the recipe's model with it,
     on ``device`` (default: the run's own ``--device``); the parts' validation batches are
-    those of ``split`` (validation, or one of the recipe's ``EVAL_SPLITS``)."""
+    those of ``split`` (validation, or one of ``recipe.eval_splits()``)."""
     if checkpoint not in CHECKPOINTS:
         raise ConfigError(f"--checkpoint: {checkpoint!r} is not allowed; choose one of: "
                           f"{', '.join(CHECKPOINTS)}")
@@ -109,7 +109,7 @@ def load_trained(recipe: Recipe, source: str, checkpoint: str = "best",
     data = recipe.load_data(config)
     _note_data_change(fingerprint, recipe.fingerprint(data))
     if split != "validation":
-        data = recipe.after_training()[1][split](data)
+        data = recipe.eval_splits()[split](data)
     torch.manual_seed(config.seed)  # as the run built its parts
     random.seed(config.seed)
     parts = recipe.build(config, data, Context(resolved, 0, 1, run_dir))
