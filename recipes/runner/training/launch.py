@@ -10,6 +10,10 @@ then runs the same training function on its slice of each global batch (docs/des
 Rank 0's exit code is the run's (the others return 0 when they finish). A process that
 raises ends the others at once (the spawner or torchrun stops them), and the spawner exits
 with its code: 2 for a user error, which the failing process has already printed, else 1.
+The spawner reports the cause, not its echo: a process leaving the group on a user error is
+a lost peer to the others (exit 5), and one of them may exit first; so each process records
+its exit code before it leaves, and the spawner reports a lost peer only when no process had
+another reason to stop.
 
 Restarts by torchrun (``--max-restarts N``): a restarted group continues its run. torchrun
 starts every process of a restarted group with the command line of the first start,
@@ -144,17 +148,19 @@ def spawn(fn: Callable[..., int], *args: Any, nproc: int, backend: str, collecti
     # Ctrl-C reaches every process of the terminal's group: the trainers stop and save
     # on their own, and this process keeps waiting to report how they ended.
     previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    # Each process's exit code, written before it leaves the group (0 until then).
+    exit_codes = torch.multiprocessing.get_context("spawn").Array("i", nproc)
     try:
         port = int(os.environ.get("MASTER_PORT") or _free_port())
         with idist.Parallel(backend=backend, nproc_per_node=nproc, master_port=port,
                             timeout=timedelta(seconds=collective_timeout)) as parallel:
-            parallel.run(_process_main, lock, collective_timeout, fn, args)
+            parallel.run(_process_main, lock, collective_timeout, exit_codes, fn, args)
     except ProcessRaisedException as failure:
         warn(f"error: process {failure.error_index} failed:{failure.msg}")
         return 1
     except ProcessExitedException as failure:
-        if failure.signal_name is None:
-            return failure.exit_code  # the process printed its own error
+        if failure.signal_name is None:  # the process printed its own error
+            return cause_of(failure.exit_code, list(exit_codes))
         warn(f"error: {failure}")
         return 128 - failure.exit_code  # killed by a signal: exit_code is minus its number
     finally:
@@ -162,8 +168,17 @@ def spawn(fn: Callable[..., int], *args: Any, nproc: int, backend: str, collecti
     return 0
 
 
+def cause_of(first_exit: int, exit_codes: list[int]) -> int:
+    """The group's exit code when a process exited non-zero (``first_exit``, as the spawner
+    saw it first): a lost peer only when no process recorded another cause."""
+    if first_exit != ExitCode.PEER_LOST:
+        return first_exit
+    return next((code for code in exit_codes if code not in (0, ExitCode.PEER_LOST)),
+                first_exit)
+
+
 def _process_main(local_rank: int, lock: RunLock | None, collective_timeout: int,
-                  fn: Callable[..., int], args: tuple[Any, ...]) -> None:
+                  exit_codes: Any, fn: Callable[..., int], args: tuple[Any, ...]) -> None:
     # ``lock`` needs no call: unpickled as this process started, it holds the run's lock
     # until the process exits (recipes.runner.training.lock).
     try:
@@ -172,6 +187,7 @@ def _process_main(local_rank: int, lock: RunLock | None, collective_timeout: int
     except USER_ERRORS as error:
         warn(f"error: {error}", flush=True)
         exit_code = ExitCode.USER_ERROR
+    exit_codes[local_rank] = exit_code  # before the others can see this process leave
     idist.finalize()  # what Ignite does once this function returns
     exit_process(exit_code)
 

@@ -38,6 +38,7 @@ from recipes.cifar.model import TTA_PREDICTS
 from recipes.runner.config.command_line import DataError
 from recipes.runner.training.launch import (
     SHARED_STORE_HINT,
+    cause_of,
     how_to_continue,
     process_device,
     rank_zero_exit_code,
@@ -239,12 +240,9 @@ def test_two_processes_killed_mid_run_resume_to_the_uninterrupted_result(
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "exit_code"), [
     ("error", 1),
-    # A known race, left open: the rank with the user error leaves the group as it exits 2,
-    # the other rank, waiting in the all-reduce, takes that for a lost peer and exits 5 with
-    # a "lost rank 1" line, and the spawner reports whichever exit it sees first.
-    pytest.param("user_error", 2, marks=pytest.mark.xfail(
-        reason="a user error on one rank can reach the spawner as the other's exit 5 "
-               "(lost peer)", strict=False)),
+    # The rank with the user error leaves the group as it exits 2; the other, waiting in the
+    # all-reduce, takes that for a lost peer and may exit 5 first (cause_of's case).
+    ("user_error", 2),
 ])
 def test_a_rank_that_raises_ends_every_rank_with_its_error(tmp_path, capfd, kind, exit_code):
     config = _config(tmp_path / "run", epochs=1)
@@ -414,6 +412,19 @@ def torchrun_start(monkeypatch, rank: int, restart: int, max_restarts: int, shar
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", str(max_restarts))
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(shared))
+
+
+@pytest.mark.parametrize(("first_exit", "recorded", "reported"), [
+    (5, [5, 2], 2),  # the peer's echo reached the spawner first: the cause is reported
+    (5, [2, 5], 2),
+    (5, [5, 0], 5),  # a peer lost for real (killed, nothing recorded): exit 5
+    (5, [5, 5, 4], 4),
+    (2, [5, 2], 2),
+    (4, [4, 4], 4),
+])
+def test_the_spawner_reports_the_cause_of_a_failure_rather_than_its_lost_peer_echo(
+        first_exit, recorded, reported):
+    assert cause_of(first_exit, recorded) == reported
 
 
 @pytest.mark.parametrize("rank, restart, max_restarts, shared, warned", [
