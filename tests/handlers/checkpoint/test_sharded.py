@@ -12,7 +12,6 @@ import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,13 +26,14 @@ from torch.distributed.fsdp import fully_shard
 
 import handlers.checkpoint.sharded as sharded_checkpoint
 from engine.run_state import RngState
-from engine.trainer import Trainer, create_trainer
+from engine.trainer import create_trainer
 from handlers.checkpoint.checkpointer import Checkpointer
 from handlers.checkpoint.crash_points import CRASH_PHASES, CrashPoints
 from handlers.checkpoint.files import CheckpointError, SingleFile
 from handlers.checkpoint.formats import format_for, read_checkpoint
 from handlers.checkpoint.sharded import ShardedFolder
 from recipes.runner.training.launch import exit_process
+from tests.handlers.checkpoint.checkpoint_run import Run
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 WORLD_SIZE = 2
@@ -45,14 +45,6 @@ def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(7 + rank)
     return [(torch.randn(4, 6, generator=generator), torch.randint(0, 3, (4,), generator=generator))
             for _ in range(STEPS_PER_EPOCH)]
-
-
-@dataclass
-class Run:
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    trainer: Trainer
-    ckpt: Checkpointer
 
 
 def _build(dirname: Path, *, shard: bool, rank: int = 0, **ckpt_kwargs) -> Run:

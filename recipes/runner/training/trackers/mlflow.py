@@ -91,8 +91,6 @@ def _local_path(uri: str) -> Path | None:
     return None
 
 
-
-
 def start(run: TrackedRun) -> "MlflowTracker | None":
     """Open the MLflow run (or continue the one in ``mlflow.json``), log the params and tags,
     and record it in ``mlflow.json``; None after one warning line when MLflow refuses."""

@@ -72,8 +72,6 @@ def wandb_dir(given: str, run_dir: Path) -> Path:
     return Path(chosen).expanduser().resolve()
 
 
-
-
 def start(run: TrackedRun) -> "WandbTracker | None":
     """Open the W&B run (or continue the one in ``wandb.json``) with the config, and record
     it in ``wandb.json``; None after one warning line when W&B refuses."""
