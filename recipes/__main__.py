@@ -22,7 +22,12 @@ from typing import Any
 
 from recipes.runner.config.command_line import ConfigError, ExitCode, help_text
 from recipes.runner.config.file import config_toml, parse_start
-from recipes.runner.config.registry import find_recipes, load_recipe, recipe_keys
+from recipes.runner.config.registry import (
+    find_recipes,
+    load_recipe,
+    recipe_keys,
+    uncollected_imports,
+)
 from recipes.runner.console import speak_for_libraries
 
 
@@ -77,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _with_torch(action: Callable[..., int], *args: Any) -> int:
     """``action(*args)``, with exit code 2 and one line for what it refuses as the user's
     mistake. Torch loads from here on."""
-    from recipes.runner.training.launch import USER_ERRORS
+    with uncollected_imports():
+        from recipes.runner.training.launch import USER_ERRORS
 
     try:
         return action(*args)
@@ -86,15 +92,17 @@ def _with_torch(action: Callable[..., int], *args: Any) -> int:
 
 
 def _run_command(name: str, rest: list[str]) -> int:
-    from recipes.runner.commands.dispatch import run_command
+    with uncollected_imports():
+        from recipes.runner.commands.dispatch import run_command
 
     return run_command(load_recipe(name), rest[0], rest[1:])
 
 
 def _train(name: str, config: Any, given: set[str], commands: set[str], keys_from: str
            ) -> int:
-    from recipes.runner.training.modes import describe_run, find_lr_run
-    from recipes.runner.training.run import run
+    with uncollected_imports():
+        from recipes.runner.training.modes import describe_run, find_lr_run
+        from recipes.runner.training.run import run
 
     recipe = load_recipe(name)
     if "--describe" in commands:

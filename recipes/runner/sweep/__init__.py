@@ -18,6 +18,7 @@ import importlib.util
 
 from recipes.runner.api import Recipe
 from recipes.runner.config.command_line import ConfigError
+from recipes.runner.config.registry import uncollected_imports
 
 
 def sweep_command(recipe: Recipe, args: list[str]) -> int:
@@ -25,6 +26,7 @@ def sweep_command(recipe: Recipe, args: list[str]) -> int:
     if importlib.util.find_spec("optuna") is None:
         raise ConfigError("sweep needs Optuna: pip install -e '.[sweep]' (or make test, whose "
                           "dev extra installs it)")
-    from recipes.runner.sweep.command import sweep
+    with uncollected_imports():  # Optuna, SQLAlchemy, the run layer
+        from recipes.runner.sweep.command import sweep
 
     return sweep(recipe, args)

@@ -1,10 +1,18 @@
 """The registry: recipe folders found without importing them, their keys read without torch,
-and the nearest name for a mistyped one."""
+the nearest name for a mistyped one, and what loads with torch imported without the cyclic
+collector."""
+
+import gc
 
 import pytest
 
 from recipes.runner.config.command_line import ConfigError
-from recipes.runner.config.registry import find_recipes, load_recipe, recipe_keys
+from recipes.runner.config.registry import (
+    find_recipes,
+    load_recipe,
+    recipe_keys,
+    uncollected_imports,
+)
 
 
 @pytest.mark.parametrize("name", sorted(find_recipes()))
@@ -43,3 +51,23 @@ def test_the_images_model_check_knows_torchvisions_models():
     assert parse_args(Config, ["--model", "resnet18"])[0].model == "resnet18"
     with pytest.raises(ConfigError, match="--model: must be a torchvision classification"):
         parse_args(Config, ["--model", "resnet19"])
+
+
+def test_a_start_imports_without_the_collector_then_freezes_what_it_imported(
+        tmp_path, monkeypatch):
+    (tmp_path / "freshly_imported.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert gc.isenabled()
+    before = gc.get_freeze_count()
+    with uncollected_imports():
+        assert not gc.isenabled()
+        import freshly_imported
+    assert gc.isenabled() and freshly_imported.VALUE == 1
+    frozen = gc.get_freeze_count()
+    assert frozen > before  # the module's objects and everything before them, set aside
+    with uncollected_imports():
+        import freshly_imported  # noqa: F811 (already imported: nothing new to freeze)
+    assert gc.get_freeze_count() == frozen
+    with pytest.raises(ZeroDivisionError), uncollected_imports():
+        1 / 0  # noqa: B018
+    assert gc.isenabled()  # on again, whatever the block raised
