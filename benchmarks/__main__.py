@@ -159,7 +159,7 @@ def all_sections(plan: Plan, threads: int, quick: bool, log: Log) -> tuple[list[
         images_section = (f"## 6. Image-folder data path\n\nUnmeasured: no CIFAR-10 JPEG folders "
                           f"at `{s6_image_folder.SHARED_CIFAR}`.")
     log("7/7 sweep: what it adds to its trials")
-    sweep_section = s7_sweep.render(s7_sweep.measure(2, 1, 1, log) if quick
+    sweep_section = s7_sweep.render(s7_sweep.measure(2, (1,), 1, log) if quick
                                     else s7_sweep.measure(*s7_sweep.FULL, log))
     log("8/8 checkpoints written behind training")
     async_section = s8_async_checkpoint.render(

@@ -4,7 +4,9 @@ as their summaries record them (``wall_time_sec``: the training itself), (b) eac
 run inside the sweep as Optuna timed it (its start to its completion: the checks, data, model,
 training, summary and curves.png), and (c) the same four trials run one by one as plain
 ``python -m recipes`` commands, as a shell loop would; three times, side by side, verdicts on
-the medians. The target of issue #47: at most 1.1x the trials' run times plus 2 s a trial.
+the medians; for trials of 2 epochs (under a second each, where the one start of the sweep's
+process weighs most) and of 8. The target of issue #47: at most 1.1x the trials' run times
+plus 2 s a trial.
 
 ``python -m benchmarks.sections.s7_sweep [--quick] [--out PATH]`` prints (or writes) the
 section.
@@ -31,7 +33,7 @@ from benchmarks.harness.timing import number
 TINY_CHARLM = ["--val-fraction", "0.2", "--block-size", "8", "--n-layer", "1", "--n-head",
                "2", "--n-embd", "16", "--batch-size", "16", "--progress", "off", "--device",
                "cpu", "--text", "text.txt"]
-FULL = (4, 2, 3)  # trials, epochs a trial, repeats
+FULL = (4, (2, 8), 3)  # trials, the epochs of a trial in each series, repeats
 WORDS = ["def", "return", "self", "value", "import", "class", "for", "in", "if"]
 
 
@@ -63,10 +65,11 @@ class SweepResult:
                                         strict=True))
 
 
-def measure(trials: int, epochs: int, repeats: int, log: Callable[[str], None]
-            ) -> list[SweepResult]:
-    """``repeats`` times: a sweep and then its trials as plain runs, side by side."""
-    return [measure_once(trials, epochs, log) for _ in range(repeats)]
+def measure(trials: int, epochs: tuple[int, ...], repeats: int, log: Callable[[str], None]
+            ) -> list[list[SweepResult]]:
+    """For each trial length, ``repeats`` times: a sweep and then its trials as plain runs,
+    side by side."""
+    return [[measure_once(trials, length, log) for _ in range(repeats)] for length in epochs]
 
 
 def measure_once(trials: int, epochs: int, log: Callable[[str], None]) -> SweepResult:
@@ -113,11 +116,35 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'s' * (count != 1)}"
 
 
-def render(results: list[SweepResult]) -> str:
-    """The repeats side by side, each sweep against its own trials; verdicts on the median
-    of each ratio (sweep / target), the trials' table of the median repeat."""
+def render(series: list[list[SweepResult]]) -> str:
+    """The section: what is measured, then each trial length's repeats."""
+    first = series[0][0]
+    repeats = "once" if len(series[0]) == 1 else plural(len(series[0]), "time")
+    lengths = " and ".join(plural(results[0].epochs, "epoch") for results in series)
+    return f"""## 7. Sweeps: what the sweep adds to its trials
+
+`python -m recipes charlm sweep --trials {first.trials}` on the tiny charlm job (one thread, \
+SQLite study in the sweep folder, `--pruner none`), trials of {lengths}, one command, \
+{repeats} each; after each sweep, the same {first.trials} trials one by one as plain \
+`python -m recipes charlm ... --lr <its lr>` commands, as a shell loop would run them. Each \
+sweep is held against the target of issue #47 (1.1 × the sum of its trials' run times + 2 s a \
+trial) with the trials' run times counted three ways: as their summary.json records them \
+(`wall_time_sec`: the training, its evaluations and saves), as their whole run inside the \
+sweep (Optuna's start to completion of the trial: the checks, the data, the model, the \
+training, the summary and curves.png), and as their own commands (the process's start and \
+imports too). "Process start": what a trial's own command takes beyond the same trial's run \
+in the sweep (the median over the trials): Python, torch, Ignite, matplotlib and the project \
+imported, which any run pays once. "Machinery": the rest of the sweep's time outside its \
+trials' runs (Optuna imported, the study created, each trial asked, claimed and told, the \
+table). Load average after: {series[-1][-1].load}.
+
+{(chr(10) * 2).join(render_series(results) for results in series)}"""
+
+
+def render_series(results: list[SweepResult]) -> str:
+    """One trial length: the repeats side by side, each sweep against its own trials;
+    verdicts on the median of each ratio (sweep / target), the trials of the median repeat."""
     first = results[0]
-    repeats = "once" if len(results) == 1 else plural(len(results), "time")
     ratios = [[result.wall_seconds / result.budget(times) for times in result.columns()]
               for result in results]
     medians = [statistics.median(column) for column in zip(*ratios, strict=True)]
@@ -131,28 +158,12 @@ def render(results: list[SweepResult]) -> str:
     trial_rows.append(["sum", *(number(sum(times)) for times in middle.columns())])
     verdicts = ["within" if ratio <= 1 else "over" for ratio in medians]
     machinery = statistics.median(result.machinery() for result in results)
-    return f"""## 7. Sweeps: what the sweep adds to its trials
-
-`python -m recipes charlm sweep --trials {first.trials}` on the tiny charlm job \
-({plural(first.epochs, "epoch")} a trial, one thread, SQLite study in the sweep folder, \
-`--pruner none`), one command, {repeats}; after {"it" if len(results) == 1 else "each"}, \
-the same {first.trials} trials one by one as plain `python -m recipes charlm ... --lr <its \
-lr>` commands, as a shell loop would run them. Each sweep is held against the target of \
-issue #47 (1.1 × the sum of its trials' run times \
-+ 2 s a trial) with the trials' run times counted three ways: as their summary.json records \
-them (`wall_time_sec`: the training, its evaluations and saves), as their whole run inside the \
-sweep (Optuna's start to completion of the trial: the checks, the data, the model, the \
-training, the summary and curves.png), and as their own commands (the process's start and \
-imports too). "Process start": what a trial's own command takes beyond the same trial's run \
-in the sweep (the median over the trials): Python, torch, Ignite, matplotlib and the project \
-imported, which any run pays once. "Machinery": the rest of the sweep's time outside its \
-trials' runs (Optuna imported, the study created, each trial asked, claimed and told, the \
-table). Load average after: {results[-1].load}.
+    return f"""### Trials of {plural(first.epochs, "epoch")}
 
 {table(["repeat", "sweep, s", "target on summaries, s", "target on runs in the sweep, s",
         "target on commands, s", "process start, s", "machinery, s"], repeat_rows)}
 
-Medians of sweep / target: {", ".join(f"{ratio:.2f}" for ratio in medians)} (summaries, runs \
+Medians of sweep / target: {", ".join(f"{ratio:.3f}" for ratio in medians)} (summaries, runs \
 in the sweep, commands): {verdicts[0]} the target counted on the summaries' run times, \
 {verdicts[1]} it counted on the trials' runs in the sweep, {verdicts[2]} it counted on their \
 own commands. The sweep's own machinery: {number(machinery)} s for {first.trials} trials \
@@ -169,7 +180,7 @@ def main(argv: list[str]) -> int:
                             "smoke run: 2 trials of 1 epoch, once")
     args = parser.parse_args(argv)
     log = progress_log()
-    return emit(render(measure(2, 1, 1, log) if args.quick else measure(*FULL, log)),
+    return emit(render(measure(2, (1,), 1, log) if args.quick else measure(*FULL, log)),
                 args.out)
 
 
