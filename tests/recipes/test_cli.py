@@ -45,8 +45,9 @@ TINY_STEPS = 2 * (256 // 64)
 # Half an epoch of warmup, no test-time augmentation, no progress display.
 QUICK_EVAL = ["--warmup-epochs", "0.5", "--tta", "none", "--final-tta", "none",
               "--progress", "off"]
-# Smaller still, for resume: 4 steps per epoch, a checkpoint at every step, no TTA.
-RESUMABLE = ["--dataset", "synthetic", "--train-subset", "128", "--val-subset", "32",
+# Smaller still, for resume: 8 micro-batches an epoch, 4 optimizer steps (two micro-batches a
+# step, the default), a checkpoint at every step, no TTA.
+RESUMABLE = ["--dataset", "synthetic", "--train-subset", "256", "--val-subset", "32",
              "--batch-size", "32", "--epochs", "2", *QUICK_EVAL, "--checkpoint-every", "1"]
 TAGS = ["train/loss", "train/lr", "train/grad_norm", "train/grad_norm_clipped",
         "train/clip_fraction", "train/skipped_steps", "val/loss", "val/accuracy",
@@ -609,7 +610,7 @@ def test_on_cuda_a_killed_run_resumes_bit_identical(precision, tmp_path):
     assert killed.returncode == 137
     resumed = run_cli(killed_args, tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    assert "iteration 2, step 2)" in resumed.stdout
+    assert "iteration 4, step 2)" in resumed.stdout
     assert_bit_identical(final_weights(tmp_path / "runs" / "cifar" / "killed"),
                          final_weights(full_dir))
 
