@@ -10,6 +10,7 @@ ends at once instead of training on.
 """
 
 import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -62,7 +63,10 @@ class TrialPruning:
 def with_pruning(recipe: Recipe, pruning: TrialPruning) -> Recipe:
     """``recipe`` whose runs also attach ``pruning`` (with the recipe's own handlers, whose
     state every checkpoint holds): the run layer's extension point, so a trial is trained by
-    the same ``run`` as any run."""
+    the same ``run`` as any run. ``build`` wraps the recipe's own and says so
+    (``functools.wraps``): the recipe is still found by its module, as the commands a trial's
+    closing lines print name it."""
+    @functools.wraps(recipe.build)
     def build(config: Any, data: Any, ctx: Context) -> Parts:
         parts = recipe.build(config, data, ctx)
         own = parts.attach_extra

@@ -51,6 +51,8 @@ def test_each_trial_is_a_run_the_study_and_evaluate_read_and_the_same_command_ad
         assert summary["status"] == "completed" and trial.value == summary["best_val_loss"]
     out = capsys.readouterr().out
     assert "2 of 2 trials finished or pruned (minimize loss)" in out
+    for trial in trials:  # each trial's closing lines name its recipe, as any run's do
+        assert f"-m recipes charlm evaluate runs/charlm/sweeps/s/trial-{trial.number:04d}" in out
     best = min(trials, key=lambda trial: trial.value)
     assert f"best     trial {best.number}, loss {best.value:.4g}" in out
     assert main(["charlm", "evaluate", str(sweep_dir / "trial-0000")]) == 0
