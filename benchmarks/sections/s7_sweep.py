@@ -121,6 +121,7 @@ def render(series: list[list[SweepResult]]) -> str:
     first = series[0][0]
     repeats = "once" if len(series[0]) == 1 else plural(len(series[0]), "time")
     lengths = " and ".join(plural(results[0].epochs, "epoch") for results in series)
+    tables = "\n\n".join(render_series(results) for results in series)
     return f"""## 7. Sweeps: what the sweep adds to its trials
 
 `python -m recipes charlm sweep --trials {first.trials}` on the tiny charlm job (one thread, \
@@ -138,7 +139,7 @@ imported, which any run pays once. "Machinery": the rest of the sweep's time out
 trials' runs (Optuna imported, the study created, each trial asked, claimed and told, the \
 table). Load average after: {series[-1][-1].load}.
 
-{(chr(10) * 2).join(render_series(results) for results in series)}"""
+{tables}"""
 
 
 def render_series(results: list[SweepResult]) -> str:
